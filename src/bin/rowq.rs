@@ -1,0 +1,5 @@
+//! The `rowq` command line.
+
+fn main() {
+    println!("rowq");
+}

@@ -1,0 +1,386 @@
+//! Configuration from the environment: one struct per binary, read and validated once at
+//! start. This is the only module that reads environment variables. A missing or invalid
+//! setting fails with a message that names the variable.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+/// A setting that is missing or does not parse.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("{name} is not set: {hint}")]
+    Missing { name: &'static str, hint: &'static str },
+    #[error("{name}={value:?} is invalid: {reason}")]
+    Invalid { name: &'static str, value: String, reason: String },
+}
+
+pub const DEFAULT_QUEUE: &str = "default";
+pub const DEFAULT_CLAIM_BATCH: u32 = 100;
+pub const DEFAULT_MAX_IN_FLIGHT: u32 = 1000;
+pub const DEFAULT_PUBLISH_CONCURRENCY: usize = 8;
+pub const DEFAULT_POLL_INTERVAL_MS: u64 = 500;
+pub const DEFAULT_BUSY_POLL_MS: u64 = 50;
+pub const DEFAULT_DISPATCH_LEASE_SECS: u64 = 300;
+pub const DEFAULT_MAINTENANCE_INTERVAL_SECS: u64 = 5;
+pub const DEFAULT_RETENTION_HOURS: u64 = 24 * 7;
+pub const DEFAULT_SCHEDULER_POOL_SIZE: u32 = 4;
+pub const DEFAULT_WORKER_POOL_SIZE: u32 = 2;
+pub const DEFAULT_JOB_TIMEOUT_SECS: u64 = 60;
+pub const DEFAULT_DEADLINE_MARGIN_MS: u64 = 2000;
+pub const DEFAULT_RESCUE_GRACE_SECS: u64 = 10;
+pub const DEFAULT_BACKOFF_BASE_MS: u64 = 1000;
+pub const DEFAULT_BACKOFF_MAX_SECS: u64 = 3600;
+pub const DEFAULT_POLLERS: usize = 4;
+pub const DEFAULT_WAIT_SECS: u64 = 1;
+pub const DEFAULT_FUNCTION_TIMEOUT_SECS: u64 = 60;
+/// Lambda's own upper bound on a function timeout.
+pub const MAX_FUNCTION_TIMEOUT_SECS: u64 = 900;
+
+/// Reads settings through a lookup function, so tests need not touch the process environment.
+pub struct Env<'a> {
+    lookup: &'a dyn Fn(&str) -> Option<String>,
+}
+
+impl<'a> Env<'a> {
+    pub fn new(lookup: &'a dyn Fn(&str) -> Option<String>) -> Self {
+        Env { lookup }
+    }
+
+    fn get(&self, name: &str) -> Option<String> {
+        (self.lookup)(name).filter(|value| !value.trim().is_empty())
+    }
+
+    pub fn required(&self, name: &'static str, hint: &'static str) -> Result<String, ConfigError> {
+        self.get(name).ok_or(ConfigError::Missing { name, hint })
+    }
+
+    pub fn optional(&self, name: &'static str) -> Option<String> {
+        self.get(name)
+    }
+
+    /// A number in `range`, or `default` when unset.
+    pub fn number<T>(
+        &self,
+        name: &'static str,
+        default: T,
+        range: std::ops::RangeInclusive<T>,
+    ) -> Result<T, ConfigError>
+    where
+        T: FromStr + PartialOrd + Copy + std::fmt::Display,
+    {
+        let Some(raw) = self.get(name) else {
+            return Ok(default);
+        };
+        let value: T = raw.trim().parse().map_err(|_| ConfigError::Invalid {
+            name,
+            value: raw.clone(),
+            reason: "not a whole number".into(),
+        })?;
+        if !range.contains(&value) {
+            return Err(ConfigError::Invalid {
+                name,
+                value: raw,
+                reason: format!("must be between {} and {}", range.start(), range.end()),
+            });
+        }
+        Ok(value)
+    }
+
+    fn millis(
+        &self,
+        name: &'static str,
+        default: u64,
+        range: std::ops::RangeInclusive<u64>,
+    ) -> Result<Duration, ConfigError> {
+        self.number(name, default, range).map(Duration::from_millis)
+    }
+
+    fn secs(
+        &self,
+        name: &'static str,
+        default: u64,
+        range: std::ops::RangeInclusive<u64>,
+    ) -> Result<Duration, ConfigError> {
+        self.number(name, default, range).map(Duration::from_secs)
+    }
+}
+
+fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// `ROWQ_LOG_FORMAT=json|text`; by default JSON on Lambda, text elsewhere.
+pub fn log_format() -> crate::telemetry::LogFormat {
+    match process_env("ROWQ_LOG_FORMAT").as_deref() {
+        Some("json") => crate::telemetry::LogFormat::Json,
+        Some("text") => crate::telemetry::LogFormat::Text,
+        _ if process_env("AWS_LAMBDA_FUNCTION_NAME").is_some() => crate::telemetry::LogFormat::Json,
+        _ => crate::telemetry::LogFormat::Text,
+    }
+}
+
+/// Postgres connection settings shared by every binary.
+#[derive(Debug, Clone)]
+pub struct DatabaseConfig {
+    pub url: String,
+    pub pool_size: u32,
+}
+
+impl DatabaseConfig {
+    pub fn from(env: &Env<'_>, default_pool: u32) -> Result<Self, ConfigError> {
+        let url = env.required("DATABASE_URL", "set it to postgres://user:password@host:5432/dbname")?;
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(ConfigError::Invalid {
+                name: "DATABASE_URL",
+                value: redact_url(&url),
+                reason: "must start with postgres:// or postgresql://".into(),
+            });
+        }
+        Ok(DatabaseConfig { url, pool_size: env.number("ROWQ_DB_POOL_SIZE", default_pool, 1..=200)? })
+    }
+}
+
+/// A database URL with its password replaced, fit for a log line or an error.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            match credentials.find(':') {
+                Some(colon) => format!("{}{}:***{}", &url[..scheme + 3], &credentials[..colon], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// The scheduler: claims due rows of one rowq queue and publishes them to one SQS FIFO queue.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub database: DatabaseConfig,
+    /// SQS FIFO queue URL the jobs are published to.
+    pub queue_url: String,
+    /// The `queue` column value this scheduler serves.
+    pub queue: String,
+    /// Rows claimed per claim statement.
+    pub claim_batch: u32,
+    /// Dispatch only while fewer rows of the queue than this are `dispatched`.
+    pub max_in_flight: u32,
+    /// `SendMessageBatch` calls in flight at once.
+    pub publish_concurrency: usize,
+    /// Idle wake-up when no NOTIFY arrives.
+    pub poll_interval: Duration,
+    /// Wake-up while work waits on capacity (in-flight cap reached).
+    pub busy_poll: Duration,
+    /// A dispatched row not fenced by a worker within this is rescued.
+    pub dispatch_lease: Duration,
+    pub maintenance_interval: Duration,
+    /// Finished rows older than this are deleted; zero keeps them forever.
+    pub retention: Duration,
+    /// Run for at most this long, then exit (scheduled-Lambda mode); `None` runs until stopped.
+    pub drain_for: Option<Duration>,
+}
+
+impl SchedulerConfig {
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from(&Env::new(&process_env))
+    }
+
+    pub fn from(env: &Env<'_>) -> Result<Self, ConfigError> {
+        let queue = env.optional("ROWQ_QUEUE").unwrap_or_else(|| DEFAULT_QUEUE.to_string());
+        if queue.len() > 64 || !queue.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c)) {
+            return Err(ConfigError::Invalid {
+                name: "ROWQ_QUEUE",
+                value: queue,
+                reason: "must be 1-64 characters of A-Z a-z 0-9 _ . -".into(),
+            });
+        }
+        let drain_secs: u64 = env.number("ROWQ_DRAIN_SECS", 0, 0..=MAX_FUNCTION_TIMEOUT_SECS * 100)?;
+        Ok(SchedulerConfig {
+            database: DatabaseConfig::from(env, DEFAULT_SCHEDULER_POOL_SIZE)?,
+            queue_url: queue_url(env, "ROWQ_QUEUE_URL")?,
+            queue,
+            claim_batch: env.number("ROWQ_CLAIM_BATCH", DEFAULT_CLAIM_BATCH, 1..=5000)?,
+            max_in_flight: env.number("ROWQ_MAX_IN_FLIGHT", DEFAULT_MAX_IN_FLIGHT, 1..=1_000_000)?,
+            publish_concurrency: env.number("ROWQ_PUBLISH_CONCURRENCY", DEFAULT_PUBLISH_CONCURRENCY, 1..=256)?,
+            poll_interval: env.millis("ROWQ_POLL_INTERVAL_MS", DEFAULT_POLL_INTERVAL_MS, 10..=600_000)?,
+            busy_poll: env.millis("ROWQ_BUSY_POLL_MS", DEFAULT_BUSY_POLL_MS, 1..=60_000)?,
+            dispatch_lease: env.secs("ROWQ_DISPATCH_LEASE_SECS", DEFAULT_DISPATCH_LEASE_SECS, 1..=86_400)?,
+            maintenance_interval: env.secs(
+                "ROWQ_MAINTENANCE_INTERVAL_SECS",
+                DEFAULT_MAINTENANCE_INTERVAL_SECS,
+                1..=3600,
+            )?,
+            retention: Duration::from_secs(
+                env.number("ROWQ_RETENTION_HOURS", DEFAULT_RETENTION_HOURS, 0..=24 * 3650)? * 3600,
+            ),
+            drain_for: (drain_secs > 0).then(|| Duration::from_secs(drain_secs)),
+        })
+    }
+}
+
+fn queue_url(env: &Env<'_>, name: &'static str) -> Result<String, ConfigError> {
+    let url = env.required(name, "set it to the SQS FIFO queue URL (CreateQueue/GetQueueUrl returns it)")?;
+    if !(url.starts_with("https://") || url.starts_with("http://")) || !url.ends_with(".fifo") {
+        return Err(ConfigError::Invalid {
+            name,
+            value: url,
+            reason: "must be an http(s) URL of a FIFO queue (ending in .fifo)".into(),
+        });
+    }
+    Ok(url)
+}
+
+/// The worker: fences, runs and finishes jobs delivered in SQS batches.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub database: DatabaseConfig,
+    /// Timeout of a job whose kind sets none; always cut to the invocation's remaining time.
+    pub job_timeout: Duration,
+    /// Time kept free before the Lambda deadline to record outcomes.
+    pub deadline_margin: Duration,
+    /// Added to a job's timeout to form its `run_deadline`, after which it may be rescued.
+    pub rescue_grace: Duration,
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+}
+
+impl WorkerConfig {
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from(&Env::new(&process_env))
+    }
+
+    pub fn from(env: &Env<'_>) -> Result<Self, ConfigError> {
+        let config = WorkerConfig {
+            database: DatabaseConfig::from(env, DEFAULT_WORKER_POOL_SIZE)?,
+            job_timeout: env.secs("ROWQ_JOB_TIMEOUT_SECS", DEFAULT_JOB_TIMEOUT_SECS, 1..=MAX_FUNCTION_TIMEOUT_SECS)?,
+            deadline_margin: env.millis("ROWQ_DEADLINE_MARGIN_MS", DEFAULT_DEADLINE_MARGIN_MS, 0..=60_000)?,
+            rescue_grace: env.secs("ROWQ_RESCUE_GRACE_SECS", DEFAULT_RESCUE_GRACE_SECS, 0..=3600)?,
+            backoff_base: env.millis("ROWQ_BACKOFF_BASE_MS", DEFAULT_BACKOFF_BASE_MS, 1..=3_600_000)?,
+            backoff_max: env.secs("ROWQ_BACKOFF_MAX_SECS", DEFAULT_BACKOFF_MAX_SECS, 1..=7 * 86_400)?,
+        };
+        if config.backoff_max < config.backoff_base {
+            return Err(ConfigError::Invalid {
+                name: "ROWQ_BACKOFF_MAX_SECS",
+                value: config.backoff_max.as_secs().to_string(),
+                reason: "must not be below ROWQ_BACKOFF_BASE_MS".into(),
+            });
+        }
+        Ok(config)
+    }
+}
+
+/// The local event-source runner: what the Lambda SQS event source mapping does, on one machine.
+#[derive(Debug, Clone)]
+pub struct EventSourceConfig {
+    pub queue_url: String,
+    /// The dead-letter queue, served by the DLQ handler when set.
+    pub dlq_url: Option<String>,
+    /// Concurrent long-pollers (Lambda concurrency).
+    pub pollers: usize,
+    /// Long-poll wait (`WaitTimeSeconds`).
+    pub wait: Duration,
+    /// Deadline given to each batch, as a Lambda function timeout.
+    pub function_timeout: Duration,
+}
+
+impl EventSourceConfig {
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from(&Env::new(&process_env))
+    }
+
+    pub fn from(env: &Env<'_>) -> Result<Self, ConfigError> {
+        Ok(EventSourceConfig {
+            queue_url: queue_url(env, "ROWQ_QUEUE_URL")?,
+            dlq_url: match env.optional("ROWQ_DLQ_URL") {
+                Some(_) => Some(queue_url(env, "ROWQ_DLQ_URL")?),
+                None => None,
+            },
+            pollers: env.number("ROWQ_POLLERS", DEFAULT_POLLERS, 1..=256)?,
+            wait: env.secs("ROWQ_WAIT_SECS", DEFAULT_WAIT_SECS, 0..=20)?,
+            function_timeout: env.secs(
+                "ROWQ_FUNCTION_TIMEOUT_SECS",
+                DEFAULT_FUNCTION_TIMEOUT_SECS,
+                1..=MAX_FUNCTION_TIMEOUT_SECS,
+            )?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn env_of(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    fn scheduler(pairs: &[(&str, &str)]) -> Result<SchedulerConfig, ConfigError> {
+        let vars = env_of(pairs);
+        let lookup = move |name: &str| vars.get(name).cloned();
+        SchedulerConfig::from(&Env::new(&lookup))
+    }
+
+    const DB: (&str, &str) = ("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    const QUEUE: (&str, &str) = ("ROWQ_QUEUE_URL", "http://127.0.0.1:4566/queue/us-east-1/000000000000/jobs.fifo");
+
+    #[test]
+    fn scheduler_defaults_apply_when_only_the_required_settings_are_given() {
+        let config = scheduler(&[DB, QUEUE]).unwrap();
+        assert_eq!(config.queue, DEFAULT_QUEUE);
+        assert_eq!(config.claim_batch, DEFAULT_CLAIM_BATCH);
+        assert_eq!(config.max_in_flight, DEFAULT_MAX_IN_FLIGHT);
+        assert_eq!(config.poll_interval, Duration::from_millis(DEFAULT_POLL_INTERVAL_MS));
+        assert_eq!(config.drain_for, None);
+        assert_eq!(config.retention, Duration::from_secs(DEFAULT_RETENTION_HOURS * 3600));
+    }
+
+    #[test]
+    fn a_missing_setting_is_named() {
+        let error = scheduler(&[QUEUE]).unwrap_err();
+        assert!(matches!(error, ConfigError::Missing { name: "DATABASE_URL", .. }));
+        assert!(error.to_string().starts_with("DATABASE_URL is not set"));
+        let error = scheduler(&[DB]).unwrap_err();
+        assert!(matches!(error, ConfigError::Missing { name: "ROWQ_QUEUE_URL", .. }));
+    }
+
+    #[test]
+    fn an_invalid_setting_is_named_with_the_reason() {
+        let error = scheduler(&[DB, QUEUE, ("ROWQ_CLAIM_BATCH", "lots")]).unwrap_err();
+        assert_eq!(error.to_string(), r#"ROWQ_CLAIM_BATCH="lots" is invalid: not a whole number"#);
+        let error = scheduler(&[DB, QUEUE, ("ROWQ_CLAIM_BATCH", "0")]).unwrap_err();
+        assert!(error.to_string().contains("must be between 1 and 5000"));
+        let error = scheduler(&[DB, ("ROWQ_QUEUE_URL", "http://x/queue/jobs")]).unwrap_err();
+        assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_QUEUE_URL", .. }));
+        let error = scheduler(&[("DATABASE_URL", "mysql://x"), QUEUE]).unwrap_err();
+        assert!(matches!(error, ConfigError::Invalid { name: "DATABASE_URL", .. }));
+        let error = scheduler(&[DB, QUEUE, ("ROWQ_QUEUE", "no spaces")]).unwrap_err();
+        assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_QUEUE", .. }));
+    }
+
+    #[test]
+    fn drain_mode_is_off_at_zero_and_on_otherwise() {
+        assert_eq!(scheduler(&[DB, QUEUE, ("ROWQ_DRAIN_SECS", "0")]).unwrap().drain_for, None);
+        assert_eq!(
+            scheduler(&[DB, QUEUE, ("ROWQ_DRAIN_SECS", "50")]).unwrap().drain_for,
+            Some(Duration::from_secs(50))
+        );
+    }
+
+    #[test]
+    fn worker_refuses_a_backoff_ceiling_below_its_base() {
+        let vars = env_of(&[DB, ("ROWQ_BACKOFF_BASE_MS", "5000"), ("ROWQ_BACKOFF_MAX_SECS", "2")]);
+        let lookup = move |name: &str| vars.get(name).cloned();
+        let error = WorkerConfig::from(&Env::new(&lookup)).unwrap_err();
+        assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_BACKOFF_MAX_SECS", .. }));
+    }
+
+    #[test]
+    fn passwords_are_redacted_from_database_urls() {
+        assert_eq!(redact_url("postgres://app:s3cret@db:5432/x"), "postgres://app:***@db:5432/x");
+        assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
+        assert_eq!(redact_url("postgres://db/x"), "postgres://db/x");
+    }
+}

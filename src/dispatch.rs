@@ -1,0 +1,333 @@
+//! The scheduler: claim → publish → report, in a loop that wakes on `NOTIFY`, on the next
+//! `run_at`, and on a poll interval. [`Scheduler::run_once`] is one pass, used by the loop,
+//! by `scheduler --once` and by the tests.
+//!
+//! The claim commits before anything is sent: no transaction is held open across an SQS
+//! call. A message that fails to publish puts its row back to `pending` (guarded by the
+//! generation, no attempt consumed). A crash between claim and publish leaves `dispatched`
+//! rows that maintenance rescues after their lease; their next claim gets a new generation.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tokio::sync::watch;
+
+use crate::config::SchedulerConfig;
+use crate::job::{JobId, JobMessage};
+use crate::maintenance;
+use crate::sqs::{MAX_BATCH, Outgoing, Publisher};
+use crate::store::{self, dispatch::Claimed};
+
+/// What one pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DispatchReport {
+    /// Rows moved `pending → dispatched`.
+    pub claimed: usize,
+    /// Messages SQS accepted.
+    pub published: usize,
+    /// Rows put back to `pending` because their message was not accepted.
+    pub released: usize,
+    /// The in-flight cap left no room for (all of) a full batch.
+    pub capped: bool,
+    /// The pass claimed a full batch: more may be due right now.
+    pub full: bool,
+    /// The first publish error of the pass, if any.
+    pub publish_error: Option<String>,
+}
+
+/// A pass that could not complete: the database is unreachable or refused a statement.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    #[error("scheduler could not {action} for queue {queue:?}: {source}; it will retry")]
+    Database { action: &'static str, queue: String, source: sqlx::Error },
+}
+
+/// Why [`Scheduler::run`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    Shutdown,
+    DrainBudgetSpent,
+    /// `--once`: nothing more was due.
+    Drained,
+}
+
+/// Totals over a [`Scheduler::run`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunTotals {
+    pub passes: u64,
+    pub claimed: u64,
+    pub published: u64,
+    pub released: u64,
+}
+
+/// How long to back off after a failure, doubling up to a ceiling.
+const ERROR_BACKOFF_MIN: Duration = Duration::from_millis(100);
+const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+pub struct Scheduler<P> {
+    pool: PgPool,
+    publisher: P,
+    config: SchedulerConfig,
+}
+
+impl<P: Publisher> Scheduler<P> {
+    pub fn new(pool: PgPool, publisher: P, config: SchedulerConfig) -> Self {
+        Scheduler { pool, publisher, config }
+    }
+
+    pub fn publisher(&self) -> &P {
+        &self.publisher
+    }
+
+    /// One pass: claim up to a batch of due rows (within the in-flight cap), publish them in
+    /// `SendMessageBatch` calls of up to 10 with several in flight, release what failed.
+    pub async fn run_once(&self) -> Result<DispatchReport, DispatchError> {
+        let queue = &self.config.queue;
+        let db_error = |action| move |source| DispatchError::Database { action, queue: queue.clone(), source };
+        let in_flight =
+            store::dispatch::in_flight(&self.pool, queue).await.map_err(db_error("count in-flight jobs"))?;
+        let room = i64::from(self.config.max_in_flight) - in_flight;
+        let limit = room.clamp(0, i64::from(self.config.claim_batch)) as u32;
+        let mut report = DispatchReport { capped: limit < self.config.claim_batch, ..DispatchReport::default() };
+        if limit == 0 {
+            return Ok(report);
+        }
+        let claimed = store::dispatch::claim_due(&self.pool, queue, limit, self.config.dispatch_lease)
+            .await
+            .map_err(db_error("claim due jobs"))?;
+        report.claimed = claimed.len();
+        report.full = claimed.len() == limit as usize;
+        for job in &claimed {
+            tracing::info!(
+                job.id = job.id.0,
+                job.dispatch_gen = job.dispatch_gen,
+                job.from = "pending",
+                job.to = "dispatched",
+                "job claimed"
+            );
+        }
+
+        let (failed, publish_error) = self.publish(&claimed).await;
+        report.published = claimed.len() - failed.len();
+        report.publish_error = publish_error;
+        if !failed.is_empty() {
+            let released =
+                store::dispatch::release(&self.pool, &failed).await.map_err(db_error("release unpublished jobs"))?;
+            for id in &released {
+                tracing::warn!(
+                    job.id = id.0,
+                    job.from = "dispatched",
+                    job.to = "pending",
+                    "job released: its message was not published"
+                );
+            }
+            report.released = released.len();
+        }
+        Ok(report)
+    }
+
+    /// Publishes claimed rows; returns the `(id, generation)` of those not accepted, and the
+    /// first error seen.
+    async fn publish(&self, claimed: &[Claimed]) -> (Vec<(JobId, i64)>, Option<String>) {
+        let batches: Vec<Vec<Outgoing>> = claimed
+            .chunks(MAX_BATCH)
+            .map(|chunk| {
+                chunk
+                    .iter()
+                    .map(|job| Outgoing {
+                        message: JobMessage::new(job.id, job.dispatch_gen),
+                        group_id: job.group_key.clone().unwrap_or_else(|| job.id.to_string()),
+                    })
+                    .collect()
+            })
+            .collect();
+        let results: Vec<_> = futures::stream::iter(batches.iter())
+            .map(|batch| async move { (batch, self.publisher.send_batch(batch).await) })
+            .buffer_unordered(self.config.publish_concurrency)
+            .collect()
+            .await;
+
+        let mut failed = Vec::new();
+        let mut first_error = None;
+        for (batch, result) in results {
+            match result {
+                Ok(failures) => {
+                    for failure in failures {
+                        match batch.get(failure.index) {
+                            Some(entry) => failed.push((entry.message.job_id, entry.message.dispatch_gen)),
+                            // An id SQS did not get from us: we cannot tell which entry failed,
+                            // so treat the whole call as failed.
+                            None => failed.extend(batch.iter().map(|e| (e.message.job_id, e.message.dispatch_gen))),
+                        }
+                        tracing::warn!(error = %failure.reason, "SQS refused a message");
+                        first_error.get_or_insert(failure.reason);
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(error = %error, messages = batch.len(), "publish failed");
+                    failed.extend(batch.iter().map(|e| (e.message.job_id, e.message.dispatch_gen)));
+                    first_error.get_or_insert(error.to_string());
+                }
+            }
+        }
+        failed.sort_unstable();
+        failed.dedup();
+        (failed, first_error)
+    }
+
+    /// Runs until `shutdown` turns `true`, the drain budget is spent, or (with `once`) nothing
+    /// more is due. A pass in progress always completes before it returns.
+    pub async fn run(&self, mut shutdown: watch::Receiver<bool>, once: bool) -> RunTotals {
+        let started = Instant::now();
+        let mut totals = RunTotals::default();
+        let mut listener: Option<PgListener> = None;
+        let mut next_maintenance = Instant::now();
+        let mut backoff = ERROR_BACKOFF_MIN;
+        let stop = loop {
+            if *shutdown.borrow() {
+                break StopReason::Shutdown;
+            }
+            let budget_left = self.config.drain_for.map(|budget| budget.saturating_sub(started.elapsed()));
+            if budget_left == Some(Duration::ZERO) {
+                break StopReason::DrainBudgetSpent;
+            }
+            if listener.is_none() && !once {
+                listener = self.listen().await;
+            }
+            if Instant::now() >= next_maintenance {
+                self.maintain().await;
+                next_maintenance = Instant::now() + self.config.maintenance_interval;
+            }
+
+            totals.passes += 1;
+            let wait = match self.run_once().await {
+                Ok(report) => {
+                    totals.claimed += report.claimed as u64;
+                    totals.published += report.published as u64;
+                    totals.released += report.released as u64;
+                    if report.released > 0 {
+                        backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
+                        backoff
+                    } else {
+                        backoff = ERROR_BACKOFF_MIN;
+                        if report.full {
+                            continue;
+                        } else if once {
+                            break StopReason::Drained;
+                        } else if report.capped {
+                            self.config.busy_poll
+                        } else {
+                            self.idle_wait().await
+                        }
+                    }
+                }
+                Err(error) => {
+                    tracing::error!(error = %error, "dispatch pass failed");
+                    backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
+                    backoff
+                }
+            };
+            let wait = budget_left.map_or(wait, |left| wait.min(left));
+            let woke_by_listener = tokio::select! {
+                _ = shutdown.changed() => false,
+                _ = tokio::time::sleep(wait) => false,
+                notification = recv(&mut listener) => match notification {
+                    Ok(true) => true,
+                    Ok(false) => false,
+                    Err(error) => {
+                        tracing::warn!(error = %error, "notification listener lost; reconnecting");
+                        listener = None;
+                        false
+                    }
+                },
+            };
+            if woke_by_listener && let Some(listener) = listener.as_mut() {
+                // One pass serves every notification that arrived meanwhile.
+                while listener.next_buffered().is_some() {}
+            }
+        };
+        tracing::info!(
+            ?stop,
+            passes = totals.passes,
+            claimed = totals.claimed,
+            published = totals.published,
+            released = totals.released,
+            "scheduler stopped"
+        );
+        totals
+    }
+
+    /// How long to sleep when nothing is due: until the next `run_at`, at most the poll interval.
+    async fn idle_wait(&self) -> Duration {
+        match store::dispatch::next_due(&self.pool, &self.config.queue).await {
+            Ok(Some(at)) => {
+                let until = (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO);
+                until.min(self.config.poll_interval)
+            }
+            Ok(None) => self.config.poll_interval,
+            Err(error) => {
+                tracing::warn!(error = %error, "could not read the next run_at");
+                self.config.poll_interval
+            }
+        }
+    }
+
+    async fn listen(&self) -> Option<PgListener> {
+        let connected = async {
+            let mut listener = PgListener::connect_with(&self.pool).await?;
+            listener.listen(store::NOTIFY_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        match connected.await {
+            Ok(listener) => Some(listener),
+            Err(error) => {
+                tracing::warn!(error = %error, "could not LISTEN; polling until it can");
+                None
+            }
+        }
+    }
+
+    async fn maintain(&self) {
+        match maintenance::run_once(&self.pool, self.config.retention).await {
+            Ok(report) if report.is_empty() => {}
+            Ok(report) => tracing::info!(?report, "maintenance"),
+            Err(error) => tracing::warn!(error = %error, "maintenance failed; will retry"),
+        }
+    }
+}
+
+/// Waits for a notification: `Ok(true)` when one arrived, `Ok(false)` when the connection was
+/// lost (it reconnects on the next call), never when there is no listener.
+async fn recv(listener: &mut Option<PgListener>) -> Result<bool, sqlx::Error> {
+    match listener {
+        Some(listener) => Ok(listener.try_recv().await?.is_some()),
+        None => std::future::pending().await,
+    }
+}
+
+/// A receiver that turns `true` on the first SIGTERM or SIGINT (Ctrl-C).
+pub fn shutdown_on_signals() -> watch::Receiver<bool> {
+    let (sender, receiver) = watch::channel(false);
+    tokio::spawn(async move {
+        let terminate = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(error) => {
+                    tracing::warn!(error = %error, "cannot listen for SIGTERM");
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate => {}
+        }
+        tracing::info!("shutting down: finishing the batch in flight");
+        let _ = sender.send(true);
+    });
+    receiver
+}

@@ -1,0 +1,65 @@
+//! The dead-letter handler: a message SQS gave up on (received `maxReceiveCount` times
+//! without being deleted) marks its job `failed`, guarded by the generation. Jobs already
+//! terminal, or dispatched again since (a newer generation), are left alone.
+
+use std::sync::Arc;
+
+use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent};
+use sqlx::PgPool;
+
+use crate::job::JobMessage;
+use crate::store::run;
+
+/// The SQS record attribute counting receives.
+pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
+
+/// Handles one batch from the DLQ. Only a database failure reports a record failed (SQS
+/// delivers it again); malformed bodies are acknowledged and logged.
+pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
+    let mut response = SqsBatchResponse::default();
+    for record in event.records {
+        let Some(message_id) = record.message_id.clone() else {
+            tracing::error!("dead-letter record without a messageId acknowledged");
+            continue;
+        };
+        let message = match JobMessage::decode(record.body.as_deref().unwrap_or_default()) {
+            Ok(message) => message,
+            Err(error) => {
+                tracing::error!(sqs.message_id = %message_id, error = %error, "malformed dead-letter message acknowledged and dropped");
+                continue;
+            }
+        };
+        let receives = record.attributes.get(RECEIVE_COUNT_ATTRIBUTE).map_or("an unknown number of", String::as_str);
+        let reason = format!(
+            "dead-lettered: its message (generation {}) was received {receives} times without being processed",
+            message.dispatch_gen
+        );
+        match run::dead_letter(pool, message.job_id, message.dispatch_gen, &reason).await {
+            Ok(Some(from)) => tracing::error!(
+                job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,
+                job.from = from.as_str(), job.to = "failed", error = %reason, "job dead-lettered"
+            ),
+            Ok(None) => tracing::info!(
+                job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,
+                "dead-letter message for a finished or re-dispatched job acknowledged"
+            ),
+            Err(error) => {
+                tracing::error!(error = %error, sqs.message_id = %message_id, "could not record a dead letter: database unavailable; it will be redelivered");
+                let mut failure = BatchItemFailure::default();
+                failure.item_identifier = message_id;
+                response.batch_item_failures.push(failure);
+            }
+        }
+    }
+    response
+}
+
+/// Runs the DLQ handler as a Lambda function.
+pub async fn run_lambda(pool: PgPool) -> Result<(), lambda_runtime::Error> {
+    let pool = Arc::new(pool);
+    lambda_runtime::run(lambda_runtime::service_fn(move |event: lambda_runtime::LambdaEvent<SqsEvent>| {
+        let pool = pool.clone();
+        async move { Ok::<_, lambda_runtime::Error>(handle_batch(&pool, event.payload).await) }
+    }))
+    .await
+}

@@ -1,0 +1,206 @@
+//! The local event-source runner: what Lambda's SQS event source mapping does, on one
+//! machine and without Docker. Long-polls the queue (up to 10 messages), builds the same
+//! `SqsEvent` Lambda would (same fields, system attributes), calls the handler with a
+//! deadline like an invocation's, deletes the records not reported as failures, and leaves
+//! the failures to reappear after the visibility timeout. Several pollers run at once.
+//!
+//! It calls the worker's own [`crate::Worker::handle_batch`] (or the DLQ handler): it is a
+//! transport, not a second implementation of the worker.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::error::DisplayErrorContext;
+use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, Message, MessageSystemAttributeName};
+use tokio::sync::watch;
+
+use crate::sqs::{self, MAX_BATCH, SqsError};
+
+/// Pause after a failed receive, so an unreachable endpoint is not hammered.
+const RECEIVE_RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// Counts over a run, readable while it runs.
+#[derive(Debug, Default)]
+pub struct EventSourceTotals {
+    pub batches: AtomicU64,
+    pub records: AtomicU64,
+    pub failures: AtomicU64,
+    pub receive_errors: AtomicU64,
+}
+
+/// One queue, polled like an event source mapping.
+pub struct EventSource {
+    client: Client,
+    queue_url: String,
+    queue_arn: String,
+    region: String,
+    wait: Duration,
+    function_timeout: Duration,
+    totals: EventSourceTotals,
+}
+
+impl EventSource {
+    /// Looks up the queue's ARN (records carry it as `eventSourceARN`).
+    pub async fn new(
+        client: Client,
+        queue_url: &str,
+        wait: Duration,
+        function_timeout: Duration,
+    ) -> Result<Self, SqsError> {
+        let queue_arn = sqs::queue_arn(&client, queue_url).await?;
+        let region = queue_arn.split(':').nth(3).unwrap_or("us-east-1").to_string();
+        Ok(EventSource {
+            client,
+            queue_url: queue_url.to_string(),
+            queue_arn,
+            region,
+            wait,
+            function_timeout,
+            totals: EventSourceTotals::default(),
+        })
+    }
+
+    pub fn totals(&self) -> &EventSourceTotals {
+        &self.totals
+    }
+
+    /// Runs `pollers` concurrent pollers until `shutdown` turns `true`. A batch being handled
+    /// is always finished (handled and deleted) before a poller stops.
+    pub async fn run<H, F>(self: Arc<Self>, pollers: usize, handler: H, shutdown: watch::Receiver<bool>)
+    where
+        H: Fn(SqsEvent, Instant) -> F + Clone + Send + Sync + 'static,
+        F: Future<Output = SqsBatchResponse> + Send,
+    {
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..pollers.max(1) {
+            let source = self.clone();
+            let handler = handler.clone();
+            let mut shutdown = shutdown.clone();
+            tasks.spawn(async move {
+                while !*shutdown.borrow() {
+                    tokio::select! {
+                        _ = shutdown.changed() => break,
+                        messages = source.receive() => match messages {
+                            Ok(messages) => source.deliver(messages, &handler).await,
+                            Err(error) => {
+                                source.totals.receive_errors.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(error = %error, "receive failed; retrying");
+                                tokio::time::sleep(RECEIVE_RETRY_DELAY).await;
+                            }
+                        },
+                    }
+                }
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            if let Err(error) = joined {
+                tracing::error!(error = %error, "a poller stopped abnormally");
+            }
+        }
+    }
+
+    /// One receive → handle → delete cycle; returns how many records were handled.
+    pub async fn poll_once<H, F>(&self, handler: &H) -> Result<usize, SqsError>
+    where
+        H: Fn(SqsEvent, Instant) -> F,
+        F: Future<Output = SqsBatchResponse>,
+    {
+        let messages = self.receive().await?;
+        let count = messages.len();
+        self.deliver(messages, handler).await;
+        Ok(count)
+    }
+
+    async fn receive(&self) -> Result<Vec<Message>, SqsError> {
+        let output = self
+            .client
+            .receive_message()
+            .queue_url(&self.queue_url)
+            .max_number_of_messages(MAX_BATCH as i32)
+            .wait_time_seconds(self.wait.as_secs() as i32)
+            .message_system_attribute_names(MessageSystemAttributeName::All)
+            .send()
+            .await
+            .map_err(|e| SqsError::Call {
+                operation: "ReceiveMessage",
+                queue_url: self.queue_url.clone(),
+                detail: DisplayErrorContext(e).to_string(),
+            })?;
+        Ok(output.messages.unwrap_or_default())
+    }
+
+    async fn deliver<H, F>(&self, messages: Vec<Message>, handler: &H)
+    where
+        H: Fn(SqsEvent, Instant) -> F,
+        F: Future<Output = SqsBatchResponse>,
+    {
+        if messages.is_empty() {
+            return;
+        }
+        let mut event = SqsEvent::default();
+        event.records = messages.iter().map(|m| self.record(m)).collect();
+        let deadline = Instant::now() + self.function_timeout;
+        let response = handler(event, deadline).await;
+        let failed: HashSet<&str> = response.batch_item_failures.iter().map(|f| f.item_identifier.as_str()).collect();
+        self.totals.batches.fetch_add(1, Ordering::Relaxed);
+        self.totals.records.fetch_add(messages.len() as u64, Ordering::Relaxed);
+        self.totals.failures.fetch_add(failed.len() as u64, Ordering::Relaxed);
+        let done: Vec<&Message> =
+            messages.iter().filter(|m| !failed.contains(m.message_id().unwrap_or_default())).collect();
+        self.delete(&done).await;
+    }
+
+    /// The record as the Lambda service builds it.
+    fn record(&self, message: &Message) -> SqsMessage {
+        let mut record = SqsMessage::default();
+        record.message_id = message.message_id().map(str::to_string);
+        record.receipt_handle = message.receipt_handle().map(str::to_string);
+        record.body = message.body().map(str::to_string);
+        record.md5_of_body = message.md5_of_body().map(str::to_string);
+        record.attributes = message
+            .attributes()
+            .map(|attributes| attributes.iter().map(|(k, v)| (k.as_str().to_string(), v.clone())).collect())
+            .unwrap_or_default();
+        record.event_source = Some("aws:sqs".to_string());
+        record.event_source_arn = Some(self.queue_arn.clone());
+        record.aws_region = Some(self.region.clone());
+        record
+    }
+
+    /// Deletes handled messages. A message whose delete fails comes back after the
+    /// visibility timeout; its job is no longer waiting for it, so the fence drops it.
+    async fn delete(&self, messages: &[&Message]) {
+        for chunk in messages.chunks(MAX_BATCH) {
+            let entries: Vec<DeleteMessageBatchRequestEntry> = chunk
+                .iter()
+                .enumerate()
+                .filter_map(|(i, m)| {
+                    DeleteMessageBatchRequestEntry::builder()
+                        .id(i.to_string())
+                        .receipt_handle(m.receipt_handle().unwrap_or_default())
+                        .build()
+                        .ok()
+                })
+                .collect();
+            match self.client.delete_message_batch().queue_url(&self.queue_url).set_entries(Some(entries)).send().await
+            {
+                Ok(output) => {
+                    for failure in output.failed() {
+                        tracing::warn!(
+                            code = failure.code(),
+                            "a handled message could not be deleted; it will be redelivered and dropped"
+                        );
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(error = %DisplayErrorContext(error), "handled messages could not be deleted; they will be redelivered and dropped")
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! Scheduler maintenance: rescue rows whose owner went away, prune old finished rows.
+//! [`run_once`] is called by the scheduler loop every `maintenance_interval`, and by tests.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use crate::job::JobState;
+use crate::store::maintenance::{self as store, RESCUE_BATCH, Rescued};
+
+/// Delay before a job rescued from a dead worker is claimed again.
+pub const RESCUE_RETRY_DELAY: Duration = Duration::from_secs(1);
+/// At most this many statements of each kind per pass, so one pass stays short.
+const MAX_ROUNDS: usize = 10;
+
+/// What one maintenance pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MaintenanceReport {
+    /// `dispatched` rows past their lease, back to `pending`.
+    pub rescued_dispatched: usize,
+    /// `running` rows past their run deadline, back to `pending`.
+    pub rescued_running: usize,
+    /// Rescued rows whose attempts were used up, now `failed`.
+    pub failed: usize,
+    /// Finished rows deleted.
+    pub pruned: u64,
+}
+
+impl MaintenanceReport {
+    pub fn is_empty(&self) -> bool {
+        *self == MaintenanceReport::default()
+    }
+
+    fn count(&mut self, rescued: &[Rescued], from: &'static str) {
+        for job in rescued {
+            let retried = job.state == JobState::Pending;
+            match (retried, from) {
+                (true, "dispatched") => self.rescued_dispatched += 1,
+                (true, _) => self.rescued_running += 1,
+                (false, _) => self.failed += 1,
+            }
+            tracing::warn!(
+                job.id = job.id.0,
+                job.dispatch_gen = job.dispatch_gen,
+                job.from = from,
+                job.to = job.state.as_str(),
+                "job rescued"
+            );
+        }
+    }
+}
+
+/// One pass: rescue lost dispatches, rescue dead workers' jobs, prune by `retention`
+/// (zero keeps finished rows forever).
+pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceReport, sqlx::Error> {
+    let mut report = MaintenanceReport::default();
+    for _ in 0..MAX_ROUNDS {
+        let rescued = store::rescue_dispatched(pool).await?;
+        report.count(&rescued, "dispatched");
+        if (rescued.len() as i64) < RESCUE_BATCH {
+            break;
+        }
+    }
+    for _ in 0..MAX_ROUNDS {
+        let rescued = store::rescue_running(pool, RESCUE_RETRY_DELAY).await?;
+        report.count(&rescued, "running");
+        if (rescued.len() as i64) < RESCUE_BATCH {
+            break;
+        }
+    }
+    if !retention.is_zero() {
+        for _ in 0..MAX_ROUNDS {
+            let pruned = store::prune_finished(pool, retention).await?;
+            report.pruned += pruned;
+            if pruned < store::PRUNE_BATCH as u64 {
+                break;
+            }
+        }
+    }
+    Ok(report)
+}

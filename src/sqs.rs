@@ -1,0 +1,244 @@
+//! SQS: the one seam of rowq. [`Publisher`] sends job messages; [`SqsPublisher`] is the real
+//! one, [`MemoryPublisher`] keeps them in memory for tests and benchmarks (and can be told to
+//! fail). Also the client set-up and the idempotent creation of the FIFO queue and its DLQ.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::error::DisplayErrorContext;
+use aws_sdk_sqs::types::{QueueAttributeName, SendMessageBatchRequestEntry};
+
+use crate::job::JobMessage;
+
+/// SQS's limit on entries per `SendMessageBatch` / `DeleteMessageBatch` call.
+pub const MAX_BATCH: usize = 10;
+
+/// A job message and the FIFO group it goes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub message: JobMessage,
+    pub group_id: String,
+}
+
+/// One entry of a batch that SQS refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryFailure {
+    /// Position of the entry in the batch.
+    pub index: usize,
+    pub reason: String,
+}
+
+/// A call to SQS that failed as a whole.
+#[derive(Debug, thiserror::Error)]
+pub enum SqsError {
+    #[error("SQS {operation} on {queue_url} failed: {detail}")]
+    Call { operation: &'static str, queue_url: String, detail: String },
+    #[error("SQS {operation}: {detail}")]
+    Request { operation: &'static str, detail: String },
+}
+
+impl SqsError {
+    fn call<E: std::error::Error>(operation: &'static str, queue_url: &str, error: E) -> Self {
+        SqsError::Call { operation, queue_url: queue_url.to_string(), detail: DisplayErrorContext(error).to_string() }
+    }
+}
+
+/// Sends job messages. The only trait in rowq: the seam between the scheduler and the queue.
+pub trait Publisher: Send + Sync {
+    /// Sends up to [`MAX_BATCH`] messages in one call. `Ok` lists the entries that were
+    /// refused (the others were accepted); `Err` means none may be assumed sent.
+    fn send_batch(&self, batch: &[Outgoing]) -> impl Future<Output = Result<Vec<EntryFailure>, SqsError>> + Send;
+}
+
+/// The real publisher: `SendMessageBatch` on a FIFO queue.
+#[derive(Debug, Clone)]
+pub struct SqsPublisher {
+    client: Client,
+    queue_url: String,
+}
+
+impl SqsPublisher {
+    pub fn new(client: Client, queue_url: impl Into<String>) -> Self {
+        SqsPublisher { client, queue_url: queue_url.into() }
+    }
+}
+
+impl Publisher for SqsPublisher {
+    async fn send_batch(&self, batch: &[Outgoing]) -> Result<Vec<EntryFailure>, SqsError> {
+        let entries = batch
+            .iter()
+            .enumerate()
+            .map(|(index, outgoing)| {
+                SendMessageBatchRequestEntry::builder()
+                    .id(index.to_string())
+                    .message_body(outgoing.message.encode())
+                    .message_group_id(&outgoing.group_id)
+                    .message_deduplication_id(outgoing.message.dedup_id())
+                    .build()
+                    .map_err(|e| SqsError::Request { operation: "SendMessageBatch", detail: e.to_string() })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let output = self
+            .client
+            .send_message_batch()
+            .queue_url(&self.queue_url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+            .map_err(|e| SqsError::call("SendMessageBatch", &self.queue_url, e))?;
+        Ok(output
+            .failed()
+            .iter()
+            .map(|failure| EntryFailure {
+                index: failure.id().parse().unwrap_or(usize::MAX),
+                reason: format!("{}: {}", failure.code(), failure.message().unwrap_or("no message")),
+            })
+            .collect())
+    }
+}
+
+/// Keeps sent messages in memory. For tests and the in-memory benchmark transport.
+#[derive(Debug, Default)]
+pub struct MemoryPublisher {
+    sent: Mutex<Vec<Outgoing>>,
+    failing: AtomicBool,
+}
+
+impl MemoryPublisher {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// While `true`, every call fails as a whole, like an unreachable endpoint.
+    pub fn set_failing(&self, failing: bool) {
+        self.failing.store(failing, Ordering::SeqCst);
+    }
+
+    /// Takes every message sent so far.
+    pub fn take(&self) -> Vec<Outgoing> {
+        std::mem::take(&mut *self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+}
+
+impl Publisher for MemoryPublisher {
+    async fn send_batch(&self, batch: &[Outgoing]) -> Result<Vec<EntryFailure>, SqsError> {
+        if self.failing.load(Ordering::SeqCst) {
+            return Err(SqsError::Call {
+                operation: "SendMessageBatch",
+                queue_url: "memory".into(),
+                detail: "the in-memory queue is set to fail".into(),
+            });
+        }
+        self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend_from_slice(batch);
+        Ok(Vec::new())
+    }
+}
+
+/// An SQS client from the standard AWS configuration chain (`AWS_REGION`,
+/// `AWS_ENDPOINT_URL` for LocalStack, credentials), with timeouts so that an endpoint that
+/// goes away fails a call instead of hanging it.
+pub async fn client() -> Client {
+    let timeouts = aws_config::timeout::TimeoutConfig::builder()
+        .connect_timeout(Duration::from_secs(3))
+        .operation_attempt_timeout(Duration::from_secs(25))
+        .build();
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest()).timeout_config(timeouts).load().await;
+    Client::new(&config)
+}
+
+/// A FIFO jobs queue and its FIFO dead-letter queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueuePair {
+    pub queue_url: String,
+    pub queue_arn: String,
+    pub dlq_url: String,
+    pub dlq_arn: String,
+}
+
+/// How to create a [`QueuePair`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueSpec {
+    /// Base name: the queues are `{name}.fifo` and `{name}-dlq.fifo`.
+    pub name: String,
+    /// Receives before a message moves to the DLQ.
+    pub max_receive_count: u32,
+    /// Should be at least 6 × the worker's function timeout.
+    pub visibility_timeout: Duration,
+}
+
+/// Creates the queue pair, or brings existing queues to `spec` (idempotent).
+pub async fn ensure_queues(client: &Client, spec: &QueueSpec) -> Result<QueuePair, SqsError> {
+    let dlq_attributes = HashMap::from([
+        (QueueAttributeName::FifoQueue, "true".to_string()),
+        (QueueAttributeName::MessageRetentionPeriod, (14 * 24 * 3600).to_string()),
+    ]);
+    let dlq_url = ensure_queue(client, &format!("{}-dlq.fifo", spec.name), dlq_attributes).await?;
+    let dlq_arn = queue_arn(client, &dlq_url).await?;
+    let redrive = serde_json::json!({
+        "deadLetterTargetArn": dlq_arn,
+        "maxReceiveCount": spec.max_receive_count.to_string(),
+    });
+    let attributes = HashMap::from([
+        (QueueAttributeName::FifoQueue, "true".to_string()),
+        (QueueAttributeName::VisibilityTimeout, spec.visibility_timeout.as_secs().to_string()),
+        (QueueAttributeName::RedrivePolicy, redrive.to_string()),
+    ]);
+    let queue_url = ensure_queue(client, &format!("{}.fifo", spec.name), attributes).await?;
+    let queue_arn = queue_arn(client, &queue_url).await?;
+    Ok(QueuePair { queue_url, queue_arn, dlq_url, dlq_arn })
+}
+
+async fn ensure_queue(
+    client: &Client,
+    name: &str,
+    attributes: HashMap<QueueAttributeName, String>,
+) -> Result<String, SqsError> {
+    let created = client.create_queue().queue_name(name).set_attributes(Some(attributes.clone())).send().await;
+    match created {
+        Ok(output) => output.queue_url().map(str::to_string).ok_or_else(|| SqsError::Request {
+            operation: "CreateQueue",
+            detail: format!("no URL returned for {name}"),
+        }),
+        Err(error) if error.as_service_error().is_some_and(|e| e.is_queue_name_exists()) => {
+            // Exists with other attributes: look it up and bring it to the spec.
+            let url = client
+                .get_queue_url()
+                .queue_name(name)
+                .send()
+                .await
+                .map_err(|e| SqsError::call("GetQueueUrl", name, e))?
+                .queue_url()
+                .map(str::to_string)
+                .ok_or_else(|| SqsError::Request { operation: "GetQueueUrl", detail: format!("no URL for {name}") })?;
+            let mut settable = attributes;
+            settable.remove(&QueueAttributeName::FifoQueue);
+            client
+                .set_queue_attributes()
+                .queue_url(&url)
+                .set_attributes(Some(settable))
+                .send()
+                .await
+                .map_err(|e| SqsError::call("SetQueueAttributes", &url, e))?;
+            Ok(url)
+        }
+        Err(error) => Err(SqsError::call("CreateQueue", name, error)),
+    }
+}
+
+/// The ARN of a queue (what Lambda's event records carry as `eventSourceARN`).
+pub async fn queue_arn(client: &Client, queue_url: &str) -> Result<String, SqsError> {
+    let output = client
+        .get_queue_attributes()
+        .queue_url(queue_url)
+        .attribute_names(QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .map_err(|e| SqsError::call("GetQueueAttributes", queue_url, e))?;
+    output.attributes().and_then(|attributes| attributes.get(&QueueAttributeName::QueueArn)).cloned().ok_or_else(|| {
+        SqsError::Request { operation: "GetQueueAttributes", detail: format!("no QueueArn for {queue_url}") }
+    })
+}

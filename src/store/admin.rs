@@ -1,0 +1,197 @@
+//! Operator transitions and reads: enqueue, get, list, cancel, retry, stats.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgExecutor, PgPool};
+
+use crate::job::{JobId, JobState};
+
+/// Every column of a row in `rowq.jobs`.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct JobRow {
+    pub id: JobId,
+    pub queue: String,
+    pub kind: String,
+    pub payload: serde_json::Value,
+    pub state: JobState,
+    pub priority: i16,
+    pub run_at: DateTime<Utc>,
+    pub attempts: i32,
+    pub max_attempts: i32,
+    pub group_key: Option<String>,
+    pub dedup_key: Option<String>,
+    pub dispatch_gen: i64,
+    pub dispatch_deadline: Option<DateTime<Utc>>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub run_deadline: Option<DateTime<Utc>>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub result: Option<serde_json::Value>,
+    pub last_error: Option<String>,
+    pub errors: serde_json::Value,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A job to enqueue; `None` fields take the table's defaults.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NewJob {
+    pub kind: String,
+    pub payload: serde_json::Value,
+    pub queue: Option<String>,
+    pub priority: Option<i16>,
+    pub run_at: Option<DateTime<Utc>>,
+    pub max_attempts: Option<i32>,
+    pub group_key: Option<String>,
+    pub dedup_key: Option<String>,
+}
+
+impl NewJob {
+    pub fn new(kind: impl Into<String>, payload: serde_json::Value) -> Self {
+        NewJob { kind: kind.into(), payload, ..NewJob::default() }
+    }
+}
+
+/// The same `INSERT` any client can run. Returns `None` when an unfinished job with the same
+/// `dedup_key` exists (`ON CONFLICT DO NOTHING`). Bad rows are refused by the table's CHECKs.
+/// Works inside the caller's transaction: pass `&mut *tx`.
+pub async fn enqueue<'e>(executor: impl PgExecutor<'e>, job: &NewJob) -> Result<Option<JobId>, sqlx::Error> {
+    sqlx::query_scalar(
+        r#"
+        INSERT INTO rowq.jobs (kind, payload, queue, priority, run_at, max_attempts, group_key, dedup_key)
+        VALUES ($1, $2, COALESCE($3, 'default'), COALESCE($4, 0), COALESCE($5, now()), COALESCE($6, 5), $7, $8)
+        ON CONFLICT DO NOTHING
+        RETURNING id
+        "#,
+    )
+    .bind(&job.kind)
+    .bind(&job.payload)
+    .bind(&job.queue)
+    .bind(job.priority)
+    .bind(job.run_at)
+    .bind(job.max_attempts)
+    .bind(&job.group_key)
+    .bind(&job.dedup_key)
+    .fetch_optional(executor)
+    .await
+}
+
+pub async fn get(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
+    sqlx::query_as("SELECT * FROM rowq.jobs WHERE id = $1").bind(id).fetch_optional(pool).await
+}
+
+/// Filters for [`list`]; `None` matches everything.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub state: Option<JobState>,
+    pub kind: Option<String>,
+    pub queue: Option<String>,
+    pub limit: i64,
+}
+
+/// Newest first.
+pub async fn list(pool: &PgPool, filter: &ListFilter) -> Result<Vec<JobRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"
+        SELECT * FROM rowq.jobs
+        WHERE ($1::rowq.job_state IS NULL OR state = $1)
+          AND ($2::text IS NULL OR kind = $2)
+          AND ($3::text IS NULL OR queue = $3)
+        ORDER BY id DESC
+        LIMIT $4
+        "#,
+    )
+    .bind(filter.state)
+    .bind(&filter.kind)
+    .bind(&filter.queue)
+    .bind(filter.limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// `pending | dispatched → cancelled`. A message already sent for a dispatched job will
+/// match nothing at the worker's fence. `None`: the job is running, finished, or absent.
+pub async fn cancel(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"
+        UPDATE rowq.jobs
+        SET state = 'cancelled', finished_at = now(), dispatch_deadline = NULL, updated_at = now()
+        WHERE id = $1 AND state IN ('pending', 'dispatched')
+        RETURNING *
+        "#,
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+}
+
+/// `failed → pending` with attempts reset and `run_at = now()`; the next claim gives it a new
+/// generation. `None`: the job is not failed, or absent. Fails with a unique violation on
+/// `jobs_dedup_key_unfinished_idx` when another unfinished job holds its `dedup_key`.
+pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"
+        UPDATE rowq.jobs
+        SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
+            updated_at = now()
+        WHERE id = $1 AND state = 'failed'
+        RETURNING *
+        "#,
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+}
+
+/// [`retry`] for every failed job of `queue` (all queues when `None`). Returns the ids.
+pub async fn retry_all_failed(pool: &PgPool, queue: Option<&str>) -> Result<Vec<JobId>, sqlx::Error> {
+    sqlx::query_scalar(
+        r#"
+        UPDATE rowq.jobs
+        SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
+            updated_at = now()
+        WHERE state = 'failed' AND ($1::text IS NULL OR queue = $1)
+        RETURNING id
+        "#,
+    )
+    .bind(queue)
+    .fetch_all(pool)
+    .await
+}
+
+/// Jobs of one queue in one state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct StateCount {
+    pub queue: String,
+    pub state: JobState,
+    pub count: i64,
+}
+
+/// The queue's health at a glance.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Stats {
+    pub counts: Vec<StateCount>,
+    /// Age of the oldest due pending job, in seconds.
+    pub oldest_pending_secs: Option<f64>,
+    /// Jobs that reached a terminal state in the last minute.
+    pub finished_last_minute: i64,
+}
+
+pub async fn stats(pool: &PgPool) -> Result<Stats, sqlx::Error> {
+    let counts = sqlx::query_as(
+        "SELECT queue, state, count(*) AS count FROM rowq.jobs GROUP BY queue, state ORDER BY queue, state",
+    )
+    .fetch_all(pool)
+    .await?;
+    let (oldest_pending_secs, finished_last_minute): (Option<f64>, i64) = sqlx::query_as(
+        r#"
+        SELECT
+            (SELECT extract(epoch FROM now() - min(run_at))::float8
+               FROM rowq.jobs WHERE state = 'pending' AND run_at <= now()),
+            (SELECT count(*) FROM rowq.jobs
+               WHERE state IN ('succeeded', 'failed', 'cancelled') AND finished_at > now() - interval '1 minute')
+        "#,
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Stats { counts, oldest_pending_secs, finished_last_minute })
+}

@@ -1,0 +1,112 @@
+//! The scheduler's transitions: `pending → dispatched` (claim) and back (release).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+
+use super::millis;
+use crate::job::JobId;
+
+/// A row the scheduler now owns for one dispatch generation.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct Claimed {
+    pub id: JobId,
+    pub dispatch_gen: i64,
+    pub group_key: Option<String>,
+}
+
+/// `pending → dispatched` for up to `limit` due rows of `queue`: `dispatch_gen + 1`,
+/// `dispatch_deadline = now() + lease`. Returns them in claim order (priority, run_at, id).
+///
+/// The CTE is needed because `UPDATE` has neither `ORDER BY`/`LIMIT` nor `SKIP LOCKED`: the
+/// inner `SELECT ... FOR UPDATE SKIP LOCKED` picks and locks the rows, so concurrent
+/// schedulers each take different rows instead of queueing on the same locks, and the outer
+/// `UPDATE` moves exactly the rows it locked. The statement commits on its own (autocommit),
+/// before anything is sent to SQS.
+///
+/// A job with a `group_key` is claimable only while no earlier job of its group is
+/// unfinished: the group runs one at a time, in id order, even across retries.
+pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) -> Result<Vec<Claimed>, sqlx::Error> {
+    let mut claimed: Vec<(Claimed, i16, DateTime<Utc>)> = sqlx::query_as::<
+        _,
+        (JobId, i64, Option<String>, i16, DateTime<Utc>),
+    >(
+        r#"
+        WITH due AS (
+            SELECT j.id
+            FROM rowq.jobs j
+            WHERE j.state = 'pending'
+              AND j.queue = $1
+              AND j.run_at <= now()
+              AND (j.group_key IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM rowq.jobs earlier
+                    WHERE earlier.group_key = j.group_key
+                      AND earlier.id < j.id
+                      AND earlier.state IN ('pending', 'dispatched', 'running')))
+            ORDER BY j.priority DESC, j.run_at, j.id
+            LIMIT $2
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE rowq.jobs j
+        SET state = 'dispatched',
+            dispatch_gen = j.dispatch_gen + 1,
+            dispatch_deadline = now() + $3 * interval '1 millisecond',
+            updated_at = now()
+        FROM due
+        WHERE j.id = due.id
+        RETURNING j.id, j.dispatch_gen, j.group_key, j.priority, j.run_at
+        "#,
+    )
+    .bind(queue)
+    .bind(i64::from(limit))
+    .bind(millis(lease))
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|(id, dispatch_gen, group_key, priority, run_at)| (Claimed { id, dispatch_gen, group_key }, priority, run_at))
+    .collect();
+    // RETURNING has no order of its own; publish in the order the claim chose.
+    claimed.sort_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.id.cmp(&b.0.id)));
+    Ok(claimed.into_iter().map(|(job, _, _)| job).collect())
+}
+
+/// `dispatched → pending` for rows whose message could not be published, guarded by the
+/// generation that was claimed: a row a worker already started (the send did succeed) or that
+/// was rescued and claimed again is left alone. No attempt is consumed.
+pub async fn release(pool: &PgPool, jobs: &[(JobId, i64)]) -> Result<Vec<JobId>, sqlx::Error> {
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = jobs.iter().map(|(id, _)| id.0).collect();
+    let gens: Vec<i64> = jobs.iter().map(|(_, dispatch_gen)| *dispatch_gen).collect();
+    sqlx::query_scalar(
+        r#"
+        UPDATE rowq.jobs j
+        SET state = 'pending', dispatch_deadline = NULL, updated_at = now()
+        FROM unnest($1::bigint[], $2::bigint[]) AS r(id, dispatch_gen)
+        WHERE j.id = r.id AND j.dispatch_gen = r.dispatch_gen AND j.state = 'dispatched'
+        RETURNING j.id
+        "#,
+    )
+    .bind(ids)
+    .bind(gens)
+    .fetch_all(pool)
+    .await
+}
+
+/// Rows of `queue` that are `dispatched` now: the in-flight count backpressure is based on.
+pub async fn in_flight(pool: &PgPool, queue: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'")
+        .bind(queue)
+        .fetch_one(pool)
+        .await
+}
+
+/// The earliest `run_at` in the future among pending rows of `queue`: when to wake up next.
+pub async fn next_due(pool: &PgPool, queue: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    sqlx::query_scalar("SELECT min(run_at) FROM rowq.jobs WHERE queue = $1 AND state = 'pending' AND run_at > now()")
+        .bind(queue)
+        .fetch_one(pool)
+        .await
+}

@@ -1,0 +1,200 @@
+//! The worker's transitions: the fence (`dispatched → running`), the finish
+//! (`running → succeeded | pending | failed`), and the DLQ's `→ failed`.
+//!
+//! An execution is identified by `(id, dispatch_gen, attempts)`: the fence increments
+//! `attempts`, so a worker that was taken over (its `run_deadline` passed and a redelivered
+//! message started the job again) can no longer finish it, even though the generation is
+//! the same.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgExecutor, PgPool};
+
+use super::millis;
+use crate::job::{JobId, JobState};
+
+/// One message's claim on a job: start this generation, with this timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StartRequest {
+    pub id: JobId,
+    pub dispatch_gen: i64,
+    /// From now to `run_deadline`: the job's timeout plus the rescue grace.
+    pub lease: Duration,
+}
+
+/// A job this worker now runs, exclusively, as execution `(id, dispatch_gen, attempt)`.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct Started {
+    pub id: JobId,
+    pub dispatch_gen: i64,
+    /// This execution's number, 1-based (`attempts` after the fence).
+    #[sqlx(rename = "attempts")]
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub kind: String,
+    pub payload: serde_json::Value,
+    pub group_key: Option<String>,
+    pub run_deadline: DateTime<Utc>,
+}
+
+/// The fence, for a whole batch in one statement: `dispatched → running` for the message's
+/// generation, or take-over of a `running` row of that generation whose `run_deadline` has
+/// passed (its worker died). `attempts + 1`, `started_at`, `run_deadline` set.
+///
+/// Requests that match nothing are stale or duplicate messages; they are absent from the
+/// result. Requests must name distinct jobs (a job appearing twice would start once).
+pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
+    if requests.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = requests.iter().map(|r| r.id.0).collect();
+    let gens: Vec<i64> = requests.iter().map(|r| r.dispatch_gen).collect();
+    let leases: Vec<i64> = requests.iter().map(|r| millis(r.lease)).collect();
+    sqlx::query_as(
+        r#"
+        UPDATE rowq.jobs j
+        SET state = 'running',
+            attempts = j.attempts + 1,
+            started_at = now(),
+            run_deadline = now() + m.lease_ms * interval '1 millisecond',
+            dispatch_deadline = NULL,
+            updated_at = now()
+        FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS m(id, dispatch_gen, lease_ms)
+        WHERE j.id = m.id
+          AND j.dispatch_gen = m.dispatch_gen
+          AND j.attempts < j.max_attempts
+          AND (j.state = 'dispatched' OR (j.state = 'running' AND j.run_deadline < now()))
+        RETURNING j.id, j.dispatch_gen, j.attempts, j.max_attempts, j.kind, j.payload, j.group_key, j.run_deadline
+        "#,
+    )
+    .bind(ids)
+    .bind(gens)
+    .bind(leases)
+    .fetch_all(pool)
+    .await
+}
+
+/// How an execution ended, as the row will record it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// `running → succeeded`, with the handler's result.
+    Succeeded { result: serde_json::Value },
+    /// `running → pending` at `now() + backoff`, the error appended to the history.
+    RetryLater { error: String, backoff: Duration },
+    /// `running → failed`, the error appended to the history.
+    Failed { error: String },
+}
+
+/// One finished execution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finish {
+    pub id: JobId,
+    pub dispatch_gen: i64,
+    pub attempt: i32,
+    pub outcome: Outcome,
+}
+
+/// Records outcomes, guarded by the execution `(id, dispatch_gen, attempts)` and
+/// `state = 'running'`: an execution that was rescued, taken over or dead-lettered meanwhile
+/// records nothing. Returns the jobs whose outcome was recorded.
+///
+/// Takes any executor: the pool for a batch of outcomes in one round trip, or the job's own
+/// transaction so the handler's writes commit with its completion, or not at all.
+pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> Result<Vec<JobId>, sqlx::Error> {
+    if finishes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut ids = Vec::with_capacity(finishes.len());
+    let mut gens = Vec::with_capacity(finishes.len());
+    let mut attempts = Vec::with_capacity(finishes.len());
+    let mut states = Vec::with_capacity(finishes.len());
+    let mut results: Vec<Option<String>> = Vec::with_capacity(finishes.len());
+    let mut errors: Vec<Option<String>> = Vec::with_capacity(finishes.len());
+    let mut backoffs: Vec<i64> = Vec::with_capacity(finishes.len());
+    for finish in finishes {
+        ids.push(finish.id.0);
+        gens.push(finish.dispatch_gen);
+        attempts.push(finish.attempt);
+        let (state, result, error, backoff) = match &finish.outcome {
+            Outcome::Succeeded { result } => (JobState::Succeeded, Some(result.to_string()), None, 0),
+            Outcome::RetryLater { error, backoff } => (JobState::Pending, None, Some(error.clone()), millis(*backoff)),
+            Outcome::Failed { error } => (JobState::Failed, None, Some(error.clone()), 0),
+        };
+        states.push(state.as_str());
+        results.push(result);
+        errors.push(error);
+        backoffs.push(backoff);
+    }
+    sqlx::query_scalar(
+        r#"
+        UPDATE rowq.jobs j
+        SET state = f.state::rowq.job_state,
+            result = f.result::jsonb,
+            last_error = f.error,
+            errors = CASE WHEN f.error IS NULL THEN j.errors
+                          ELSE j.errors || jsonb_build_array(jsonb_build_object(
+                                 'attempt', j.attempts, 'dispatch_gen', j.dispatch_gen,
+                                 'at', now(), 'error', f.error))
+                     END,
+            run_at = CASE WHEN f.state = 'pending' THEN now() + f.backoff_ms * interval '1 millisecond'
+                          ELSE j.run_at END,
+            finished_at = CASE WHEN f.state = 'pending' THEN NULL ELSE now() END,
+            run_deadline = NULL,
+            updated_at = now()
+        FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::text[], $5::text[], $6::text[], $7::bigint[])
+             AS f(id, dispatch_gen, attempt, state, result, error, backoff_ms)
+        WHERE j.id = f.id
+          AND j.dispatch_gen = f.dispatch_gen
+          AND j.attempts = f.attempt
+          AND j.state = 'running'
+        RETURNING j.id
+        "#,
+    )
+    .bind(ids)
+    .bind(gens)
+    .bind(attempts)
+    .bind(states)
+    .bind(results)
+    .bind(errors)
+    .bind(backoffs)
+    .fetch_all(executor)
+    .await
+}
+
+/// Wakes schedulers waiting on a group whose head just finished.
+pub async fn notify_group_progress(pool: &PgPool) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_notify($1, 'group')").bind(super::NOTIFY_CHANNEL).execute(pool).await.map(|_| ())
+}
+
+/// The DLQ's transition: `dispatched | running → failed` for the dead-lettered generation,
+/// with `reason` as the error. Terminal rows and rows of a newer generation are left alone
+/// (`None`).
+pub async fn dead_letter(
+    pool: &PgPool,
+    id: JobId,
+    dispatch_gen: i64,
+    reason: &str,
+) -> Result<Option<JobState>, sqlx::Error> {
+    sqlx::query_scalar(
+        r#"
+        UPDATE rowq.jobs j
+        SET state = 'failed',
+            last_error = $3,
+            errors = j.errors || jsonb_build_array(jsonb_build_object(
+                       'attempt', j.attempts, 'dispatch_gen', j.dispatch_gen, 'at', now(), 'error', $3::text)),
+            finished_at = now(),
+            dispatch_deadline = NULL,
+            run_deadline = NULL,
+            updated_at = now()
+        FROM (SELECT state FROM rowq.jobs WHERE id = $1 FOR UPDATE) AS before
+        WHERE j.id = $1 AND j.dispatch_gen = $2 AND j.state IN ('dispatched', 'running')
+        RETURNING before.state
+        "#,
+    )
+    .bind(id)
+    .bind(dispatch_gen)
+    .bind(reason)
+    .fetch_optional(pool)
+    .await
+}

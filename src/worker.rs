@@ -1,0 +1,428 @@
+//! The worker: [`Worker::handle_batch`] takes an SQS batch (as Lambda delivers it) and returns
+//! the partial batch response. Per record: decode → fence → run the handler by `kind` →
+//! finish. The Lambda binary and the local event-source runner both call it.
+//!
+//! - A malformed body, a stale generation, or a duplicate is acknowledged (not retried).
+//! - A job error is recorded in the row (retry with backoff, or `failed`); the message is
+//!   acknowledged. Retries are the database's job, not SQS's.
+//! - Only infrastructure failures (the database unreachable) become `batchItemFailures`,
+//!   so SQS redelivers; the later records of the same message group fail with them, keeping
+//!   FIFO order.
+//! - Records of one message group run in order; different groups run concurrently.
+//! - The fence of a batch is one statement; so is the finish of every job that did not write
+//!   through its own transaction. A job that did is finished inside that transaction.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent, SqsMessage};
+use rand::Rng;
+use sqlx::PgPool;
+
+use crate::config::WorkerConfig;
+use crate::handlers::{JobContext, Registry, catching_panics};
+use crate::job::{JobError, JobId, JobMessage};
+use crate::store::run::{self, Finish, Outcome, StartRequest, Started};
+
+/// The SQS record attribute that names the FIFO message group.
+pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
+
+/// Pool, handlers and settings: built once per Lambda instance, shared by its invocations.
+pub struct Worker {
+    pool: PgPool,
+    registry: Registry,
+    config: WorkerConfig,
+}
+
+/// A record this worker will act on.
+#[derive(Debug, Clone)]
+struct Record {
+    message_id: String,
+    message: JobMessage,
+}
+
+/// How one execution ended, before it is recorded.
+struct Execution {
+    record: Record,
+    job: Started,
+    outcome: Outcome,
+    tx: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+}
+
+impl Worker {
+    pub fn new(pool: PgPool, registry: Registry, config: WorkerConfig) -> Self {
+        Worker { pool, registry, config }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Handles one SQS batch; `deadline` is when the invocation ends (Lambda's deadline).
+    pub async fn handle_batch(&self, event: SqsEvent, deadline: Instant) -> SqsBatchResponse {
+        let groups = group_records(event.records);
+        let mut failures: Vec<String> = Vec::new();
+        let mut cursors = vec![0usize; groups.len()];
+        let mut failed_groups = vec![false; groups.len()];
+        loop {
+            // This round: the next record of every group that has one and has not failed.
+            let round: Vec<(usize, Record)> = groups
+                .iter()
+                .enumerate()
+                .filter(|(g, _)| !failed_groups[*g])
+                .filter_map(|(g, records)| records.get(cursors[g]).map(|r| (g, r.clone())))
+                .collect();
+            if round.is_empty() {
+                break;
+            }
+            for (g, _) in &round {
+                cursors[*g] += 1;
+            }
+            for failed in self.run_round(&round, deadline).await {
+                failed_groups[failed] = true;
+            }
+        }
+        // Every record of a failed group from its failure on is reported failed.
+        for (g, records) in groups.iter().enumerate() {
+            if failed_groups[g] {
+                let first_failed = cursors[g] - 1;
+                failures.extend(records[first_failed..].iter().map(|r| r.message_id.clone()));
+            }
+        }
+        let mut response = SqsBatchResponse::default();
+        response.batch_item_failures = failures
+            .into_iter()
+            .map(|id| {
+                let mut failure = BatchItemFailure::default();
+                failure.item_identifier = id;
+                failure
+            })
+            .collect();
+        response
+    }
+
+    /// Fences, runs and finishes one record per group. Returns the groups that hit an
+    /// infrastructure failure.
+    async fn run_round(&self, round: &[(usize, Record)], deadline: Instant) -> Vec<usize> {
+        let remaining = deadline.saturating_duration_since(Instant::now()).saturating_sub(self.config.deadline_margin);
+        if remaining.is_zero() {
+            tracing::warn!(records = round.len(), "no time left in this invocation; records will be redelivered");
+            return round.iter().map(|(g, _)| *g).collect();
+        }
+        let longest =
+            self.registry.longest_timeout().map_or(self.config.job_timeout, |t| t.max(self.config.job_timeout));
+        let lease = longest.min(remaining) + self.config.rescue_grace;
+        let requests: Vec<StartRequest> = round
+            .iter()
+            .map(|(_, r)| StartRequest { id: r.message.job_id, dispatch_gen: r.message.dispatch_gen, lease })
+            .collect();
+        let started = match run::start(&self.pool, &requests).await {
+            Ok(started) => started,
+            Err(error) => {
+                tracing::error!(error = %error, records = round.len(), "could not start jobs: database unavailable; records will be redelivered");
+                return round.iter().map(|(g, _)| *g).collect();
+            }
+        };
+        let mut by_job: HashMap<(JobId, i64), Started> =
+            started.into_iter().map(|job| ((job.id, job.dispatch_gen), job)).collect();
+        let mut group_of: HashMap<String, usize> = HashMap::new();
+        let mut runs = Vec::new();
+        for (g, record) in round {
+            match by_job.remove(&(record.message.job_id, record.message.dispatch_gen)) {
+                Some(job) => {
+                    tracing::info!(
+                        job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt,
+                        job.dispatch_gen = job.dispatch_gen, sqs.message_id = %record.message_id,
+                        job.from = "dispatched", job.to = "running", "job started"
+                    );
+                    group_of.insert(record.message_id.clone(), *g);
+                    runs.push(self.execute(record.clone(), job, deadline));
+                }
+                None => tracing::info!(
+                    job.id = record.message.job_id.0, job.dispatch_gen = record.message.dispatch_gen,
+                    sqs.message_id = %record.message_id,
+                    "stale or duplicate message acknowledged: the job is not waiting for this generation"
+                ),
+            }
+        }
+        let executions = futures::future::join_all(runs).await;
+        let failed_records = self.record_outcomes(executions).await;
+        failed_records.iter().filter_map(|id| group_of.get(id).copied()).collect()
+    }
+
+    /// Runs one started job's handler under its timeout.
+    async fn execute(&self, record: Record, job: Started, deadline: Instant) -> Execution {
+        let timeout = self
+            .registry
+            .timeout_of(&job.kind)
+            .unwrap_or(self.config.job_timeout)
+            .min(deadline.saturating_duration_since(Instant::now()).saturating_sub(self.config.deadline_margin));
+        let (ctx, slot) = JobContext::new(
+            job.id,
+            job.kind.clone(),
+            job.attempt,
+            job.max_attempts,
+            Instant::now() + timeout,
+            self.pool.clone(),
+        );
+        let result = match self.registry.call(&job.kind, ctx, job.payload.clone()) {
+            None => Err(JobError::permanent(format!(
+                "unknown job kind {:?}: this worker has no handler for it (it knows: {})",
+                job.kind,
+                self.known_kinds()
+            ))),
+            Some(future) => match tokio::time::timeout(timeout, catching_panics(future)).await {
+                Ok(result) => result,
+                Err(_) => Err(JobError::retryable(format!("timed out after {} ms", timeout.as_millis()))),
+            },
+        };
+        let tx = slot.take().await;
+        let outcome = match result {
+            Ok(result) => Outcome::Succeeded { result },
+            Err(error) if error.is_retryable() && job.attempt < job.max_attempts => Outcome::RetryLater {
+                error: error.to_string(),
+                backoff: backoff(job.attempt, self.config.backoff_base, self.config.backoff_max),
+            },
+            Err(JobError::Retryable(error)) => Outcome::Failed {
+                error: format!("{error} (attempt {} of {}: no attempts left)", job.attempt, job.max_attempts),
+            },
+            Err(JobError::Permanent(error)) => Outcome::Failed { error },
+        };
+        // A failed attempt's writes are discarded: only a success commits the job's transaction.
+        let tx = if matches!(outcome, Outcome::Succeeded { .. }) { tx } else { None };
+        Execution { record, job, outcome, tx }
+    }
+
+    fn known_kinds(&self) -> String {
+        let mut kinds: Vec<&str> = self.registry.kinds().collect();
+        kinds.sort_unstable();
+        kinds.join(", ")
+    }
+
+    /// Records every outcome: those with a transaction each inside it, the rest in one
+    /// statement. Returns the message ids whose outcome could not be recorded.
+    async fn record_outcomes(&self, executions: Vec<Execution>) -> Vec<String> {
+        let (transactional, plain): (Vec<_>, Vec<_>) = executions.into_iter().partition(|e| e.tx.is_some());
+        let mut failed = Vec::new();
+        let mut finished: Vec<&Execution> = Vec::new();
+
+        let finishes: Vec<Finish> = plain.iter().map(finish_of).collect();
+        match run::finish(&self.pool, &finishes).await {
+            Ok(recorded) => {
+                let recorded: HashSet<JobId> = recorded.into_iter().collect();
+                for execution in &plain {
+                    if recorded.contains(&execution.job.id) {
+                        finished.push(execution);
+                    } else {
+                        log_superseded(execution);
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::error!(error = %error, jobs = plain.len(), "could not record outcomes: database unavailable; records will be redelivered");
+                failed.extend(plain.iter().map(|e| e.record.message_id.clone()));
+            }
+        }
+
+        let mut transactional = transactional;
+        let commits = transactional.iter_mut().map(|execution| async move {
+            let result = match execution.tx.take() {
+                Some(mut tx) => match run::finish(&mut *tx, &[finish_of(execution)]).await {
+                    Ok(recorded) if recorded.is_empty() => Ok(false), // tx dropped: rolled back
+                    Ok(_) => tx.commit().await.map(|_| true),
+                    Err(error) => Err(error),
+                },
+                None => Ok(false),
+            };
+            (execution, result)
+        });
+        for (execution, result) in futures::future::join_all(commits).await {
+            match result {
+                Ok(true) => finished.push(execution),
+                Ok(false) => log_superseded(execution),
+                Err(error) => {
+                    tracing::error!(error = %error, job.id = execution.job.id.0, "could not commit the job's transaction; the record will be redelivered");
+                    failed.push(execution.record.message_id.clone());
+                }
+            }
+        }
+
+        for execution in &finished {
+            log_finished(execution);
+        }
+        let group_moved =
+            finished.iter().any(|e| e.job.group_key.is_some() && !matches!(e.outcome, Outcome::RetryLater { .. }));
+        if group_moved && let Err(error) = run::notify_group_progress(&self.pool).await {
+            tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
+        }
+        failed
+    }
+}
+
+fn finish_of(execution: &Execution) -> Finish {
+    Finish {
+        id: execution.job.id,
+        dispatch_gen: execution.job.dispatch_gen,
+        attempt: execution.job.attempt,
+        outcome: execution.outcome.clone(),
+    }
+}
+
+fn log_finished(execution: &Execution) {
+    let job = &execution.job;
+    match &execution.outcome {
+        Outcome::Succeeded { .. } => tracing::info!(
+            job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
+            job.from = "running", job.to = "succeeded", "job succeeded"
+        ),
+        Outcome::RetryLater { error, backoff } => tracing::warn!(
+            job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
+            job.from = "running", job.to = "pending", backoff_ms = backoff.as_millis() as u64, error = %error,
+            "job failed; will retry"
+        ),
+        Outcome::Failed { error } => tracing::error!(
+            job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
+            job.from = "running", job.to = "failed", error = %error, "job failed"
+        ),
+    }
+}
+
+fn log_superseded(execution: &Execution) {
+    tracing::warn!(
+        job.id = execution.job.id.0,
+        job.attempt = execution.job.attempt,
+        job.dispatch_gen = execution.job.dispatch_gen,
+        "execution superseded (rescued, taken over or dead-lettered meanwhile): its outcome and writes are discarded"
+    );
+}
+
+/// Decodes records, drops the ones that can never be valid (logged), and groups the rest by
+/// `MessageGroupId` in arrival order. A second record for the same job generation in one batch
+/// is a duplicate and is acknowledged.
+fn group_records(records: Vec<SqsMessage>) -> Vec<Vec<Record>> {
+    let mut groups: Vec<Vec<Record>> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut seen: HashSet<(JobId, i64)> = HashSet::new();
+    for raw in records {
+        let Some(message_id) = raw.message_id.clone() else {
+            tracing::error!("SQS record without a messageId acknowledged: it cannot be reported failed");
+            continue;
+        };
+        let message = match JobMessage::decode(raw.body.as_deref().unwrap_or_default()) {
+            Ok(message) => message,
+            Err(error) => {
+                tracing::error!(sqs.message_id = %message_id, error = %error, "malformed message acknowledged and dropped");
+                continue;
+            }
+        };
+        if !seen.insert((message.job_id, message.dispatch_gen)) {
+            tracing::info!(sqs.message_id = %message_id, job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, "duplicate message in batch acknowledged");
+            continue;
+        }
+        // Standard queues have no group: each record is its own group.
+        let group = raw.attributes.get(GROUP_ATTRIBUTE).cloned().unwrap_or_else(|| format!("\u{0}{message_id}"));
+        let position = *index.entry(group).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[position].push(Record { message_id, message });
+    }
+    groups
+}
+
+/// Exponential backoff with jitter for attempt `attempt` (1-based): a delay drawn uniformly
+/// from [d/2, d], where d = base × 2^(attempt-1) capped at `max`.
+pub fn backoff(attempt: i32, base: Duration, max: Duration) -> Duration {
+    let exponent = u32::try_from(attempt.saturating_sub(1)).unwrap_or(0).min(32);
+    let ceiling = base.saturating_mul(2u32.saturating_pow(exponent)).min(max);
+    let half = ceiling / 2;
+    let jitter_ms = rand::rng().random_range(0..=half.as_millis() as u64);
+    half + Duration::from_millis(jitter_ms)
+}
+
+/// The Lambda deadline as an `Instant`.
+pub fn deadline_from_epoch_millis(deadline_ms: u64) -> Instant {
+    let deadline = SystemTime::UNIX_EPOCH + Duration::from_millis(deadline_ms);
+    let remaining = deadline.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+    Instant::now() + remaining
+}
+
+/// Runs a worker as a Lambda function on the SQS event source. Library users call this from
+/// their own `main` with their own registry.
+pub async fn run_lambda(worker: Worker) -> Result<(), lambda_runtime::Error> {
+    let worker = Arc::new(worker);
+    lambda_runtime::run(lambda_runtime::service_fn(move |event: lambda_runtime::LambdaEvent<SqsEvent>| {
+        let worker = worker.clone();
+        async move {
+            let deadline = deadline_from_epoch_millis(event.context.deadline);
+            Ok::<_, lambda_runtime::Error>(worker.handle_batch(event.payload, deadline).await)
+        }
+    }))
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str, group: Option<&str>, body: &str) -> SqsMessage {
+        let mut message = SqsMessage::default();
+        message.message_id = Some(id.to_string());
+        message.body = Some(body.to_string());
+        if let Some(group) = group {
+            message.attributes.insert(GROUP_ATTRIBUTE.to_string(), group.to_string());
+        }
+        message
+    }
+
+    fn body(job: i64, generation: i64) -> String {
+        JobMessage::new(JobId(job), generation).encode()
+    }
+
+    #[test]
+    fn records_are_grouped_by_message_group_in_arrival_order() {
+        let groups = group_records(vec![
+            record("a", Some("g1"), &body(1, 1)),
+            record("b", Some("g2"), &body(2, 1)),
+            record("c", Some("g1"), &body(3, 1)),
+            record("d", None, &body(4, 1)),
+            record("e", None, &body(5, 1)),
+        ]);
+        let ids: Vec<Vec<&str>> = groups.iter().map(|g| g.iter().map(|r| r.message_id.as_str()).collect()).collect();
+        assert_eq!(ids, vec![vec!["a", "c"], vec!["b"], vec!["d"], vec!["e"]]);
+    }
+
+    #[test]
+    fn malformed_and_duplicate_records_are_dropped_before_grouping() {
+        let groups = group_records(vec![
+            record("a", Some("g1"), "not json"),
+            record("b", Some("g1"), &body(1, 1)),
+            record("c", Some("g1"), &body(1, 1)),
+            record("d", Some("g1"), &body(1, 2)),
+            record("e", Some("g1"), r#"{"v":9,"job_id":1,"dispatch_gen":1}"#),
+        ]);
+        let ids: Vec<&str> = groups.iter().flatten().map(|r| r.message_id.as_str()).collect();
+        assert_eq!(ids, vec!["b", "d"]);
+    }
+
+    #[test]
+    fn backoff_grows_exponentially_within_jitter_and_stops_at_the_ceiling() {
+        let base = Duration::from_millis(1000);
+        let max = Duration::from_secs(60);
+        for _ in 0..200 {
+            let first = backoff(1, base, max);
+            assert!(first >= Duration::from_millis(500) && first <= Duration::from_millis(1000), "{first:?}");
+            let fourth = backoff(4, base, max);
+            assert!(fourth >= Duration::from_millis(4000) && fourth <= Duration::from_millis(8000), "{fourth:?}");
+            let late = backoff(40, base, max);
+            assert!(late >= Duration::from_secs(30) && late <= max, "{late:?}");
+        }
+    }
+
+    #[test]
+    fn lambda_deadline_in_the_past_leaves_no_time() {
+        let deadline = deadline_from_epoch_millis(1_000);
+        assert!(deadline <= Instant::now());
+    }
+}
