@@ -10,6 +10,7 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::sync::watch;
@@ -17,7 +18,7 @@ use tokio::sync::watch;
 use crate::config::SchedulerConfig;
 use crate::job::{JobId, JobMessage};
 use crate::maintenance;
-use crate::sqs::{MAX_BATCH, Outgoing, Publisher};
+use crate::sqs::{EntryFailure, MAX_BATCH, Outgoing, Publisher, SqsError};
 use crate::store::{self, dispatch::Claimed};
 
 /// What one pass did.
@@ -143,11 +144,22 @@ impl<P: Publisher> Scheduler<P> {
                     .collect()
             })
             .collect();
-        let results: Vec<_> = futures::stream::iter(batches.iter())
-            .map(|batch| async move { (batch, self.publisher.send_batch(batch).await) })
-            .buffer_unordered(self.config.publish_concurrency)
-            .collect()
-            .await;
+        // Up to `publish_concurrency` calls in flight. (A hand-rolled window rather than
+        // `buffer_unordered`: the combinator's closure over `&self` makes the scheduler's
+        // future not `Send`, and it must be spawnable.)
+        let mut waiting = batches.iter();
+        let mut in_flight = FuturesUnordered::new();
+        let mut results = Vec::with_capacity(batches.len());
+        loop {
+            while in_flight.len() < self.config.publish_concurrency {
+                let Some(batch) = waiting.next() else { break };
+                in_flight.push(self.send(batch));
+            }
+            match in_flight.next().await {
+                Some(result) => results.push(result),
+                None => break,
+            }
+        }
 
         let mut failed = Vec::new();
         let mut first_error = None;
@@ -175,6 +187,10 @@ impl<P: Publisher> Scheduler<P> {
         failed.sort_unstable();
         failed.dedup();
         (failed, first_error)
+    }
+
+    async fn send<'b>(&self, batch: &'b [Outgoing]) -> (&'b [Outgoing], Result<Vec<EntryFailure>, SqsError>) {
+        (batch, self.publisher.send_batch(batch).await)
     }
 
     /// Runs until `shutdown` turns `true`, the drain budget is spent, or (with `once`) nothing

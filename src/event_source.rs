@@ -126,11 +126,7 @@ impl EventSource {
             .message_system_attribute_names(MessageSystemAttributeName::All)
             .send()
             .await
-            .map_err(|e| SqsError::Call {
-                operation: "ReceiveMessage",
-                queue_url: self.queue_url.clone(),
-                detail: DisplayErrorContext(e).to_string(),
-            })?;
+            .map_err(|e| SqsError::call("ReceiveMessage", &self.queue_url, e))?;
         Ok(output.messages.unwrap_or_default())
     }
 

@@ -30,7 +30,7 @@ use futures::future::BoxFuture;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::{PgPool, Postgres, Transaction};
-use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
+use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 
 use crate::job::{JobError, JobId};
 
@@ -50,7 +50,7 @@ pub struct JobContext {
 /// The job's own transaction, begun on first use. The worker commits it together with the
 /// job's `succeeded` row, fenced by the execution: if the job was taken over or rescued in the
 /// meantime, or the handler fails, everything written through it is rolled back.
-pub type JobTransaction<'a> = MappedMutexGuard<'a, Transaction<'static, Postgres>>;
+pub type JobTransaction = OwnedMappedMutexGuard<Option<Transaction<'static, Postgres>>, Transaction<'static, Postgres>>;
 
 impl JobContext {
     pub(crate) fn new(
@@ -67,13 +67,20 @@ impl JobContext {
     }
 
     /// The job's transaction (see [`JobTransaction`]). Use it as `&mut **ctx.tx().await?`.
-    pub async fn tx(&self) -> Result<JobTransaction<'_>, JobError> {
-        let mut slot = self.tx.lock().await;
-        if slot.is_none() {
-            *slot = Some(self.pool.begin().await?);
+    ///
+    /// (A boxed `'static` future rather than an `async fn`: a future that borrows the context
+    /// trips the compiler's `Send` inference inside generic handler futures.)
+    pub fn tx(&self) -> BoxFuture<'static, Result<JobTransaction, JobError>> {
+        let (slot, pool) = (self.tx.clone(), self.pool.clone());
+        async move {
+            let mut guard = slot.lock_owned().await;
+            if guard.is_none() {
+                *guard = Some(pool.begin().await?);
+            }
+            OwnedMutexGuard::try_map(guard, Option::as_mut)
+                .map_err(|_| JobError::retryable("the job transaction could not be opened"))
         }
-        MutexGuard::try_map(slot, Option::as_mut)
-            .map_err(|_| JobError::retryable("the job transaction could not be opened"))
+        .boxed()
     }
 
     /// The pool, for reads that need not be part of the job's transaction.

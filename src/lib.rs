@@ -27,6 +27,7 @@
 //! - [`dlq`]: the dead-letter handler.
 //! - [`event_source`]: the local stand-in for Lambda's SQS event source mapping.
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished rows.
+//! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
 //! - [`config`]: one struct per binary, from the environment.
 //! - [`telemetry`]: tracing set-up and field names.
 //!
@@ -40,6 +41,7 @@ pub mod event_source;
 pub mod handlers;
 pub mod job;
 pub mod maintenance;
+pub mod pipeline;
 pub mod sqs;
 pub mod store;
 pub mod telemetry;

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
-use aws_sdk_sqs::error::DisplayErrorContext;
+use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::{QueueAttributeName, SendMessageBatchRequestEntry};
 
 use crate::job::JobMessage;
@@ -42,8 +42,27 @@ pub enum SqsError {
 }
 
 impl SqsError {
-    fn call<E: std::error::Error>(operation: &'static str, queue_url: &str, error: E) -> Self {
-        SqsError::Call { operation, queue_url: queue_url.to_string(), detail: DisplayErrorContext(error).to_string() }
+    pub(crate) fn call<E, R>(operation: &'static str, queue_url: &str, error: SdkError<E, R>) -> Self
+    where
+        E: ProvideErrorMetadata + std::error::Error + 'static,
+        R: std::fmt::Debug,
+    {
+        SqsError::Call { operation, queue_url: queue_url.to_string(), detail: describe(error) }
+    }
+}
+
+/// One line for an SDK error: the service's code and message when SQS answered, else the
+/// transport's chain of causes (connection refused, timeout, ...).
+fn describe<E, R>(error: SdkError<E, R>) -> String
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    match error.as_service_error() {
+        Some(service) => {
+            format!("{}: {}", service.code().unwrap_or("error"), service.message().unwrap_or("no message"))
+        }
+        None => DisplayErrorContext(error).to_string(),
     }
 }
 

@@ -5,6 +5,8 @@
 #   infra/localstack/localstack.sh up        install, start in the background, wait until ready
 #   infra/localstack/localstack.sh down      stop what `up` started
 #   infra/localstack/localstack.sh status    exit 0 when an endpoint answers
+#   infra/localstack/localstack.sh with CMD  run CMD with LocalStack up; stop it afterwards
+#                                            if this call started it
 #
 # The pins below each fix a failure seen with localstack-core 2026.3.0 (see infra/README.md):
 # cbor2 6 -> "No component plugins found"; pyOpenSSL 26 -> "no attribute add_extensions";
@@ -108,7 +110,16 @@ down() {
   fi
 }
 
+with() {
+  local started=0 status=0
+  if ! healthy; then up; started=1; fi
+  "$@" || status=$?
+  if [ "$started" = 1 ]; then down; fi
+  return "$status"
+}
+
 case "${1:-}" in
+  with) shift; with "$@" ;;
   install) install ;;
   up) up ;;
   down) down ;;

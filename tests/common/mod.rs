@@ -1,0 +1,177 @@
+//! Factories and fixtures shared by the integration tests: real Postgres (`#[sqlx::test]`
+//! gives each test a fresh database) and LocalStack SQS (each test gets its own queues).
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::time::{Duration, Instant};
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+use rowq::config::{DatabaseConfig, SchedulerConfig, WorkerConfig};
+use rowq::sqs::{QueuePair, QueueSpec};
+use rowq::store::admin::{self, JobRow, NewJob};
+use rowq::{JobId, JobState};
+use sqlx::PgPool;
+
+pub const ENDPOINT_DEFAULT: &str = "http://127.0.0.1:4566";
+
+/// The LocalStack endpoint the tests use (`AWS_ENDPOINT_URL`, as the Makefile sets it).
+pub fn endpoint() -> String {
+    std::env::var("AWS_ENDPOINT_URL").unwrap_or_else(|_| ENDPOINT_DEFAULT.to_string())
+}
+
+/// An SQS client for LocalStack. Panics with what to do when LocalStack is not running.
+pub async fn sqs() -> Client {
+    let endpoint = endpoint();
+    let health = format!("{}/_localstack/health", endpoint.trim_end_matches('/'));
+    let reachable = tokio::net::TcpStream::connect(endpoint.trim_start_matches("http://").trim_end_matches('/')).await;
+    assert!(
+        reachable.is_ok(),
+        "LocalStack is not answering at {endpoint} ({health}): run the tests with `make test`, \
+         or start it with `make localstack-up`"
+    );
+    sqs_at(&endpoint).await
+}
+
+/// An SQS client for any endpoint (an unreachable one simulates an outage).
+pub async fn sqs_at(endpoint: &str) -> Client {
+    let timeouts = aws_config::timeout::TimeoutConfig::builder()
+        .connect_timeout(Duration::from_secs(2))
+        .operation_attempt_timeout(Duration::from_secs(25))
+        .build();
+    let config = aws_config::defaults(BehaviorVersion::latest())
+        .endpoint_url(endpoint)
+        .region(Region::new("us-east-1"))
+        .credentials_provider(Credentials::new("test", "test", None, None, "rowq-tests"))
+        .timeout_config(timeouts)
+        .load()
+        .await;
+    Client::new(&config)
+}
+
+/// A fresh FIFO queue and DLQ with a unique name.
+pub async fn queues(client: &Client, max_receive_count: u32, visibility_timeout: Duration) -> QueuePair {
+    let name = format!("rowq-test-{}-{}", std::process::id(), rand_suffix());
+    rowq::sqs::ensure_queues(client, &QueueSpec { name, max_receive_count, visibility_timeout })
+        .await
+        .expect("create test queues")
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    u64::from(nanos) * 1000 + COUNTER.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Receives and deletes every message until the queue stays empty for `quiet`.
+pub async fn drain_queue(client: &Client, queue_url: &str, quiet: Duration) -> Vec<rowq::JobMessage> {
+    let mut messages = Vec::new();
+    let mut last = Instant::now();
+    while last.elapsed() < quiet {
+        let output = client
+            .receive_message()
+            .queue_url(queue_url)
+            .max_number_of_messages(10)
+            .wait_time_seconds(1)
+            .send()
+            .await
+            .expect("receive");
+        let received = output.messages.unwrap_or_default();
+        if received.is_empty() {
+            continue;
+        }
+        last = Instant::now();
+        let mut delete = client.delete_message_batch().queue_url(queue_url);
+        for (i, message) in received.iter().enumerate() {
+            messages.push(rowq::JobMessage::decode(message.body().unwrap_or_default()).expect("a job message"));
+            delete = delete.entries(
+                aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(message.receipt_handle().unwrap_or_default())
+                    .build()
+                    .expect("entry"),
+            );
+        }
+        delete.send().await.expect("delete");
+    }
+    messages
+}
+
+/// Scheduler settings for tests: small batches, short intervals.
+pub fn scheduler_config(queue_url: &str) -> SchedulerConfig {
+    SchedulerConfig {
+        database: database_config(),
+        queue_url: queue_url.to_string(),
+        queue: "default".to_string(),
+        claim_batch: 100,
+        max_in_flight: 100_000,
+        publish_concurrency: 8,
+        poll_interval: Duration::from_millis(200),
+        busy_poll: Duration::from_millis(20),
+        dispatch_lease: Duration::from_secs(300),
+        maintenance_interval: Duration::from_secs(1),
+        retention: Duration::ZERO,
+        drain_for: None,
+    }
+}
+
+pub fn worker_config() -> WorkerConfig {
+    WorkerConfig {
+        database: database_config(),
+        job_timeout: Duration::from_secs(30),
+        deadline_margin: Duration::from_millis(500),
+        rescue_grace: Duration::from_secs(1),
+        backoff_base: Duration::from_millis(100),
+        backoff_max: Duration::from_secs(1),
+    }
+}
+
+fn database_config() -> DatabaseConfig {
+    DatabaseConfig {
+        url: std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+        pool_size: 4,
+    }
+}
+
+/// Enqueues one job with defaults; panics if refused.
+pub async fn enqueue(pool: &PgPool, kind: &str, payload: serde_json::Value) -> JobId {
+    admin::enqueue(pool, &NewJob::new(kind, payload)).await.expect("enqueue").expect("not a duplicate")
+}
+
+/// Enqueues `n` jobs of `kind` in one statement.
+pub async fn enqueue_many(pool: &PgPool, kind: &str, n: i64) -> Vec<JobId> {
+    sqlx::query_scalar("INSERT INTO rowq.jobs (kind) SELECT $1 FROM generate_series(1, $2) RETURNING id")
+        .bind(kind)
+        .bind(n)
+        .fetch_all(pool)
+        .await
+        .expect("enqueue many")
+}
+
+pub async fn job(pool: &PgPool, id: JobId) -> JobRow {
+    admin::get(pool, id).await.expect("read job").expect("job exists")
+}
+
+pub async fn count_in_state(pool: &PgPool, state: JobState) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE state = $1")
+        .bind(state)
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+/// Polls `check` until it returns `Some`, or panics after `limit` with `what`.
+pub async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let started = Instant::now();
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(started.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

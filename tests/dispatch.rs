@@ -1,0 +1,475 @@
+//! The scheduler against real Postgres, with the in-memory publisher (to count every send)
+//! and with LocalStack SQS.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rowq::sqs::{MemoryPublisher, SqsPublisher};
+use rowq::store::admin::{self, NewJob};
+use rowq::store::dispatch::claim_due;
+use rowq::store::run::{StartRequest, start};
+use rowq::{JobId, JobState, Scheduler, maintenance};
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::watch;
+
+const MEMORY_URL: &str = "memory://jobs.fifo";
+
+fn memory_scheduler(pool: &PgPool) -> Scheduler<MemoryPublisher> {
+    Scheduler::new(pool.clone(), MemoryPublisher::new(), common::scheduler_config(MEMORY_URL))
+}
+
+async fn enqueue_with(pool: &PgPool, job: NewJob) -> JobId {
+    admin::enqueue(pool, &job).await.unwrap().unwrap()
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn claims_follow_priority_then_run_at_then_id_and_skip_future_rows(pool: PgPool) {
+    let now = chrono::Utc::now();
+    let low_old = enqueue_with(
+        &pool,
+        NewJob { run_at: Some(now - chrono::Duration::seconds(60)), ..NewJob::new("noop", json!({})) },
+    )
+    .await;
+    let low_new = enqueue_with(
+        &pool,
+        NewJob { run_at: Some(now - chrono::Duration::seconds(10)), ..NewJob::new("noop", json!({})) },
+    )
+    .await;
+    let high = enqueue_with(&pool, NewJob { priority: Some(10), ..NewJob::new("noop", json!({})) }).await;
+    let low_same_time_a = enqueue_with(
+        &pool,
+        NewJob { run_at: Some(now - chrono::Duration::seconds(5)), ..NewJob::new("noop", json!({})) },
+    )
+    .await;
+    let low_same_time_b = enqueue_with(
+        &pool,
+        NewJob { run_at: Some(now - chrono::Duration::seconds(5)), ..NewJob::new("noop", json!({})) },
+    )
+    .await;
+    let future = enqueue_with(
+        &pool,
+        NewJob {
+            priority: Some(100),
+            run_at: Some(now + chrono::Duration::hours(1)),
+            ..NewJob::new("noop", json!({}))
+        },
+    )
+    .await;
+    let other_queue =
+        enqueue_with(&pool, NewJob { queue: Some("other".into()), ..NewJob::new("noop", json!({})) }).await;
+
+    let claimed: Vec<JobId> =
+        claim_due(&pool, "default", 100, Duration::from_secs(60)).await.unwrap().into_iter().map(|c| c.id).collect();
+    assert_eq!(claimed, vec![high, low_old, low_new, low_same_time_a, low_same_time_b]);
+    assert_eq!(common::job(&pool, future).await.state, JobState::Pending, "a future run_at was claimed early");
+    assert_eq!(common::job(&pool, other_queue).await.state, JobState::Pending, "another queue's job was claimed");
+
+    // The scheduler publishes in the same order, each with generation 1 and its own group.
+    sqlx::query("UPDATE rowq.jobs SET state = 'pending'").execute(&pool).await.unwrap();
+    let scheduler = memory_scheduler(&pool);
+    scheduler.run_once().await.unwrap();
+    let sent = scheduler.publisher().take();
+    let sent_ids: Vec<JobId> = sent.iter().map(|o| o.message.job_id).collect();
+    assert_eq!(sent_ids, vec![high, low_old, low_new, low_same_time_a, low_same_time_b]);
+    assert!(sent.iter().all(|o| o.message.dispatch_gen == 2 && o.group_id == o.message.job_id.to_string()));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_claim_sets_the_lease_and_bumps_the_generation(pool: PgPool) {
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let claimed = claim_due(&pool, "default", 10, Duration::from_secs(120)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    let row = common::job(&pool, id).await;
+    assert_eq!(row.state, JobState::Dispatched);
+    assert_eq!(row.dispatch_gen, 1);
+    assert_eq!(row.attempts, 0, "a claim must not consume an attempt");
+    let lease = row.dispatch_deadline.unwrap() - row.updated_at;
+    assert_eq!(lease.num_seconds(), 120);
+    // A second claim finds nothing: the row is no longer pending.
+    assert!(claim_due(&pool, "default", 10, Duration::from_secs(120)).await.unwrap().is_empty());
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn concurrent_schedulers_dispatch_every_job_generation_exactly_once(pool: PgPool) {
+    const JOBS: i64 = 5000;
+    const SCHEDULERS: usize = 6;
+    common::enqueue_many(&pool, "noop", JOBS).await;
+    let schedulers: Vec<Arc<Scheduler<MemoryPublisher>>> = (0..SCHEDULERS)
+        .map(|_| {
+            let mut config = common::scheduler_config(MEMORY_URL);
+            config.claim_batch = 50;
+            Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config))
+        })
+        .collect();
+    let started = Instant::now();
+    let runs = schedulers.iter().map(|scheduler| {
+        let scheduler = scheduler.clone();
+        tokio::spawn(async move {
+            let (_keep, shutdown) = watch::channel(false);
+            scheduler.run(shutdown, true).await
+        })
+    });
+    let totals = futures::future::join_all(runs).await;
+    let elapsed = started.elapsed();
+
+    let mut sent = Vec::new();
+    for scheduler in &schedulers {
+        sent.extend(scheduler.publisher().take());
+    }
+    let per_scheduler: Vec<u64> = totals.iter().map(|t| t.as_ref().unwrap().published).collect();
+    println!(
+        "{JOBS} jobs claimed+published by {SCHEDULERS} schedulers in {elapsed:?} ({:.0} rows/s, in-memory publisher); per scheduler {per_scheduler:?}",
+        JOBS as f64 / elapsed.as_secs_f64()
+    );
+    assert_eq!(sent.len() as i64, JOBS, "messages sent != rows");
+    let unique: HashSet<(JobId, i64)> = sent.iter().map(|o| (o.message.job_id, o.message.dispatch_gen)).collect();
+    assert_eq!(unique.len() as i64, JOBS, "a job generation was sent twice");
+    assert!(sent.iter().all(|o| o.message.dispatch_gen == 1), "a job was claimed more than once");
+    assert_eq!(common::count_in_state(&pool, JobState::Dispatched).await, JOBS);
+    assert!(per_scheduler.iter().filter(|n| **n > 0).count() > 1, "only one scheduler did any work: {per_scheduler:?}");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn concurrent_schedulers_deliver_every_row_once_through_localstack(pool: PgPool) {
+    const JOBS: i64 = 2000;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+    common::enqueue_many(&pool, "noop", JOBS).await;
+    let started = Instant::now();
+    let runs = (0..3).map(|_| {
+        let scheduler = Scheduler::new(
+            pool.clone(),
+            SqsPublisher::new(client.clone(), queues.queue_url.clone()),
+            common::scheduler_config(&queues.queue_url),
+        );
+        tokio::spawn(async move {
+            let (_keep, shutdown) = watch::channel(false);
+            scheduler.run(shutdown, true).await
+        })
+    });
+    let published: u64 = futures::future::join_all(runs).await.into_iter().map(|t| t.unwrap().published).sum();
+    let elapsed = started.elapsed();
+    println!(
+        "{JOBS} jobs claimed+published to LocalStack by 3 schedulers in {elapsed:?} ({:.0} rows/s)",
+        JOBS as f64 / elapsed.as_secs_f64()
+    );
+    assert_eq!(published as i64, JOBS);
+    let received = common::drain_queue(&client, &queues.queue_url, Duration::from_secs(3)).await;
+    assert_eq!(received.len() as i64, JOBS, "messages received != rows");
+    let unique: HashSet<JobId> = received.iter().map(|m| m.job_id).collect();
+    assert_eq!(unique.len() as i64, JOBS);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_in_flight_cap_holds_back_dispatch_and_a_new_high_priority_job_goes_first_when_room_frees(pool: PgPool) {
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.max_in_flight = 5;
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    common::enqueue_many(&pool, "noop", 50).await;
+
+    let first = scheduler.run_once().await.unwrap();
+    assert_eq!(first.claimed, 5);
+    assert!(first.capped);
+    let second = scheduler.run_once().await.unwrap();
+    assert_eq!(second.claimed, 0, "dispatched past the in-flight cap");
+    assert_eq!(common::count_in_state(&pool, JobState::Dispatched).await, 5);
+
+    let urgent = enqueue_with(&pool, NewJob { priority: Some(100), ..NewJob::new("noop", json!({})) }).await;
+    // A worker starts one job: one slot frees.
+    let sent = scheduler.publisher().take();
+    let started = start(
+        &pool,
+        &[StartRequest {
+            id: sent[0].message.job_id,
+            dispatch_gen: sent[0].message.dispatch_gen,
+            lease: Duration::from_secs(60),
+        }],
+    )
+    .await
+    .unwrap();
+    assert_eq!(started.len(), 1);
+    let third = scheduler.run_once().await.unwrap();
+    assert_eq!(third.claimed, 1);
+    let sent = scheduler.publisher().take();
+    assert_eq!(sent[0].message.job_id, urgent, "the high-priority job did not jump the backlog");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_failed_publish_puts_rows_back_to_pending_without_using_attempts_and_they_go_out_on_recovery(pool: PgPool) {
+    let ids = common::enqueue_many(&pool, "noop", 25).await;
+    let scheduler = memory_scheduler(&pool);
+    scheduler.publisher().set_failing(true);
+    let report = scheduler.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.published, report.released), (25, 0, 25));
+    assert!(report.publish_error.unwrap().contains("set to fail"));
+    for id in &ids {
+        let row = common::job(&pool, *id).await;
+        assert_eq!((row.state, row.attempts, row.dispatch_gen), (JobState::Pending, 0, 1));
+    }
+
+    scheduler.publisher().set_failing(false);
+    let report = scheduler.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.published, report.released), (25, 25, 0));
+    let sent = scheduler.publisher().take();
+    assert!(sent.iter().all(|o| o.message.dispatch_gen == 2), "the retry must be a new generation");
+    assert_eq!(common::count_in_state(&pool, JobState::Dispatched).await, 25);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_queue_that_does_not_exist_releases_the_rows_for_a_later_pass(pool: PgPool) {
+    let client = common::sqs().await;
+    let missing = format!("{}/000000000000/rowq-no-such-queue.fifo", common::endpoint());
+    let scheduler = Scheduler::new(
+        pool.clone(),
+        SqsPublisher::new(client.clone(), missing.clone()),
+        common::scheduler_config(&missing),
+    );
+    let ids = common::enqueue_many(&pool, "noop", 12).await;
+    let report = scheduler.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.published, report.released), (12, 0, 12));
+    println!("publish error: {}", report.publish_error.as_deref().unwrap_or_default());
+    for id in ids {
+        let row = common::job(&pool, id).await;
+        assert_eq!((row.state, row.attempts), (JobState::Pending, 0));
+    }
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn an_unreachable_endpoint_releases_the_rows_and_they_are_dispatched_once_it_is_back(pool: PgPool) {
+    let real = common::sqs().await;
+    let queues = common::queues(&real, 5, Duration::from_secs(60)).await;
+    // Nothing listens on port 1: every call fails to connect, like an endpoint that went away.
+    let down = common::sqs_at("http://127.0.0.1:1").await;
+    let ids = common::enqueue_many(&pool, "noop", 15).await;
+    let outage = Scheduler::new(
+        pool.clone(),
+        SqsPublisher::new(down, queues.queue_url.clone()),
+        common::scheduler_config(&queues.queue_url),
+    );
+    let report = outage.run_once().await.unwrap();
+    assert_eq!((report.published, report.released), (0, 15));
+
+    let recovered = Scheduler::new(
+        pool.clone(),
+        SqsPublisher::new(real.clone(), queues.queue_url.clone()),
+        common::scheduler_config(&queues.queue_url),
+    );
+    let report = recovered.run_once().await.unwrap();
+    assert_eq!((report.published, report.released), (15, 0));
+    let received = common::drain_queue(&real, &queues.queue_url, Duration::from_secs(2)).await;
+    let received: HashSet<JobId> = received.iter().map(|m| m.job_id).collect();
+    assert_eq!(received, ids.into_iter().collect());
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_crash_between_claim_and_publish_is_rescued_after_the_lease_and_the_old_generation_cannot_start(
+    pool: PgPool,
+) {
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    // The "crashed" scheduler claimed and never published.
+    let crashed = claim_due(&pool, "default", 10, Duration::from_millis(300)).await.unwrap();
+    assert_eq!(crashed[0].dispatch_gen, 1);
+    let before = maintenance::run_once(&pool, Duration::ZERO).await.unwrap();
+    assert_eq!(before.rescued_dispatched, 0, "rescued before the lease ran out");
+
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let report = maintenance::run_once(&pool, Duration::ZERO).await.unwrap();
+    assert_eq!(report.rescued_dispatched, 1);
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Pending, 0));
+
+    let scheduler = memory_scheduler(&pool);
+    scheduler.run_once().await.unwrap();
+    let sent = scheduler.publisher().take();
+    assert_eq!(sent[0].message.dispatch_gen, 2);
+
+    // A message of generation 1 that shows up late matches nothing.
+    let stale = start(&pool, &[StartRequest { id, dispatch_gen: 1, lease: Duration::from_secs(60) }]).await.unwrap();
+    assert!(stale.is_empty(), "the old generation started");
+    let current = start(&pool, &[StartRequest { id, dispatch_gen: 2, lease: Duration::from_secs(60) }]).await.unwrap();
+    assert_eq!(current.len(), 1);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order(pool: PgPool) {
+    let group = |n: i64| NewJob {
+        group_key: Some("customer-9".into()),
+        payload: json!({ "n": n }),
+        ..NewJob::new("noop", json!({}))
+    };
+    let first = enqueue_with(&pool, group(1)).await;
+    let second = enqueue_with(&pool, NewJob { priority: Some(50), ..group(2) }).await;
+    let loose = common::enqueue(&pool, "noop", json!({})).await;
+    let scheduler = memory_scheduler(&pool);
+
+    scheduler.run_once().await.unwrap();
+    let sent: Vec<(JobId, String)> =
+        scheduler.publisher().take().into_iter().map(|o| (o.message.job_id, o.group_id)).collect();
+    assert_eq!(sent, vec![(first, "customer-9".to_string()), (loose, loose.to_string())]);
+
+    // While the first is unfinished (even running), the second waits.
+    start(&pool, &[StartRequest { id: first, dispatch_gen: 1, lease: Duration::from_secs(60) }]).await.unwrap();
+    scheduler.run_once().await.unwrap();
+    assert!(scheduler.publisher().take().is_empty(), "the group's second job ran beside its first");
+
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = $1")
+        .bind(first)
+        .execute(&pool)
+        .await
+        .unwrap();
+    scheduler.run_once().await.unwrap();
+    let sent: Vec<JobId> = scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect();
+    assert_eq!(sent, vec![second]);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn an_idle_scheduler_wakes_on_notify_long_before_its_poll_interval(pool: PgPool) {
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.poll_interval = Duration::from_secs(600);
+    config.maintenance_interval = Duration::from_secs(600);
+    let scheduler = Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config));
+    let (stop, shutdown) = watch::channel(false);
+    let running = tokio::spawn({
+        let scheduler = scheduler.clone();
+        async move { scheduler.run(shutdown, false).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await; // idle, listening
+
+    let mut latencies = Vec::new();
+    for _ in 0..5 {
+        let inserted = Instant::now();
+        let id = common::enqueue(&pool, "noop", json!({})).await;
+        common::eventually(Duration::from_secs(30), "the NOTIFY to wake the scheduler", || {
+            let pool = pool.clone();
+            async move { (common::job(&pool, id).await.state == JobState::Dispatched).then_some(()) }
+        })
+        .await;
+        latencies.push(inserted.elapsed());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!("insert → dispatched with a 600 s poll interval: {latencies:?}");
+    stop.send(true).unwrap();
+    let totals = running.await.unwrap();
+    assert_eq!(totals.published, 5);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_scheduler_listens_again_after_its_connection_is_terminated(pool: PgPool) {
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.poll_interval = Duration::from_secs(600);
+    config.maintenance_interval = Duration::from_secs(600);
+    let scheduler = Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config));
+    let (stop, shutdown) = watch::channel(false);
+    let running = tokio::spawn({
+        let scheduler = scheduler.clone();
+        async move { scheduler.run(shutdown, false).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(!killed.is_empty());
+    // Give the scheduler time to notice and LISTEN again, then insert.
+    common::eventually(Duration::from_secs(30), "the listener to reconnect", || {
+        let pool = pool.clone();
+        async move {
+            let listening: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            (listening > 0).then_some(())
+        }
+    })
+    .await;
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    common::eventually(Duration::from_secs(30), "a NOTIFY after the reconnect", || {
+        let pool = pool.clone();
+        async move { (common::job(&pool, id).await.state == JobState::Dispatched).then_some(()) }
+    })
+    .await;
+    stop.send(true).unwrap();
+    running.await.unwrap();
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_bounded_drain_stops_when_its_budget_is_spent(pool: PgPool) {
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.drain_for = Some(Duration::from_millis(700));
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    common::enqueue_many(&pool, "noop", 10).await;
+    let (_keep, shutdown) = watch::channel(false);
+    let started = Instant::now();
+    let totals = scheduler.run(shutdown, false).await;
+    let elapsed = started.elapsed();
+    assert_eq!(totals.published, 10);
+    assert!(elapsed >= Duration::from_millis(700), "stopped before its budget: {elapsed:?}");
+    println!("drain with a 700 ms budget returned after {elapsed:?}");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_shutdown_signal_stops_an_idle_scheduler(pool: PgPool) {
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.poll_interval = Duration::from_secs(600);
+    let scheduler = Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config));
+    let (stop, shutdown) = watch::channel(false);
+    let running = tokio::spawn({
+        let scheduler = scheduler.clone();
+        async move { scheduler.run(shutdown, false).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), running).await.expect("the scheduler ignored shutdown").unwrap();
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn finished_rows_older_than_the_retention_are_pruned_and_others_kept(pool: PgPool) {
+    let old = common::enqueue(&pool, "noop", json!({})).await;
+    let recent = common::enqueue(&pool, "noop", json!({})).await;
+    let waiting = common::enqueue(&pool, "noop", json!({})).await;
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() - interval '2 hours' WHERE id = $1")
+        .bind(old)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE rowq.jobs SET state = 'failed', finished_at = now() - interval '10 minutes' WHERE id = $1")
+        .bind(recent)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let report = maintenance::run_once(&pool, Duration::from_secs(3600)).await.unwrap();
+    assert_eq!(report.pruned, 1);
+    assert!(admin::get(&pool, old).await.unwrap().is_none());
+    assert!(admin::get(&pool, recent).await.unwrap().is_some());
+    assert!(admin::get(&pool, waiting).await.unwrap().is_some());
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_release_after_a_worker_started_the_job_leaves_it_running(pool: PgPool) {
+    // The send timed out from the scheduler's side but reached SQS, and a worker already
+    // started the job: the release must not put it back to pending (a second run).
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    start(&pool, &[StartRequest { id, dispatch_gen: claimed[0].dispatch_gen, lease: Duration::from_secs(60) }])
+        .await
+        .unwrap();
+    let released = rowq::store::dispatch::release(&pool, &[(id, claimed[0].dispatch_gen)]).await.unwrap();
+    assert!(released.is_empty());
+    assert_eq!(common::job(&pool, id).await.state, JobState::Running);
+
+    // Nor may a release of an old generation touch a row claimed again since.
+    sqlx::query("UPDATE rowq.jobs SET state = 'pending' WHERE id = $1").bind(id).execute(&pool).await.unwrap();
+    let again = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(again[0].dispatch_gen, 2);
+    let released = rowq::store::dispatch::release(&pool, &[(id, 1)]).await.unwrap();
+    assert!(released.is_empty());
+    assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched);
+}

@@ -1,0 +1,272 @@
+//! The whole path through LocalStack SQS: scheduler → FIFO queue → local event source →
+//! worker → row; duplicates on the wire; dead letters.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
+use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
+use rowq::config::EventSourceConfig;
+use rowq::event_source::EventSource;
+use rowq::pipeline::{Pipeline, PipelineConfig};
+use rowq::store::dispatch::claim_due;
+use rowq::{JobContext, JobError, JobMessage, JobState, Registry, Scheduler, SqsPublisher, Worker, dlq};
+use serde_json::json;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+fn effect_registry() -> Registry {
+    Registry::builtin().register("effect", |ctx: JobContext, _: serde_json::Value| async move {
+        sqlx::query("INSERT INTO effects (job_id, attempt) VALUES ($1, $2)")
+            .bind(ctx.job_id)
+            .bind(ctx.attempt)
+            .execute(&mut **ctx.tx().await?)
+            .await
+            .map_err(JobError::from)?;
+        Ok(())
+    })
+}
+
+async fn create_effects(pool: &PgPool) {
+    sqlx::query("CREATE TABLE effects (job_id bigint NOT NULL, attempt int NOT NULL, UNIQUE (job_id, attempt))")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn every_message_delivered_twice_still_runs_each_job_once(pool: PgPool) {
+    const JOBS: i64 = 300;
+    create_effects(&pool).await;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let ids = common::enqueue_many(&pool, "effect", JOBS).await;
+    let scheduler = Scheduler::new(
+        pool.clone(),
+        SqsPublisher::new(client.clone(), queues.queue_url.clone()),
+        common::scheduler_config(&queues.queue_url),
+    );
+    let (_keep, shutdown) = tokio::sync::watch::channel(false);
+    assert_eq!(scheduler.run(shutdown, true).await.published as i64, JOBS);
+
+    // A second copy of every message, with another dedup id so SQS does not drop it.
+    for chunk in ids.chunks(10) {
+        let entries = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                SendMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .message_body(JobMessage::new(*id, 1).encode())
+                    .message_group_id(id.to_string())
+                    .message_deduplication_id(format!("duplicate-{id}"))
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let sent =
+            client.send_message_batch().queue_url(&queues.queue_url).set_entries(Some(entries)).send().await.unwrap();
+        assert!(sent.failed().is_empty());
+    }
+
+    let source = Arc::new(
+        EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    let worker = Arc::new(Worker::new(pool.clone(), effect_registry(), common::worker_config()));
+    let handler = move |event: SqsEvent, deadline: Instant| {
+        let worker = worker.clone();
+        async move { worker.handle_batch(event, deadline).await }
+    };
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(source.clone().run(4, handler, shutdown));
+    common::eventually(Duration::from_secs(60), "every job to succeed", || {
+        let pool = pool.clone();
+        async move { (common::count_in_state(&pool, JobState::Succeeded).await == JOBS).then_some(()) }
+    })
+    .await;
+    // Let the duplicates drain too.
+    common::eventually(Duration::from_secs(30), "every duplicate to be handled", || {
+        let records = source.totals().records.load(std::sync::atomic::Ordering::Relaxed);
+        async move { (records >= 2 * JOBS as u64).then_some(()) }
+    })
+    .await;
+    stop.send(true).unwrap();
+    running.await.unwrap();
+
+    let attempts: Vec<i32> = sqlx::query_scalar("SELECT attempts FROM rowq.jobs").fetch_all(&pool).await.unwrap();
+    assert!(attempts.iter().all(|a| *a == 1), "a job ran more than once");
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects").fetch_one(&pool).await.unwrap();
+    assert_eq!(effects, JOBS, "effects committed != jobs");
+    let leftover = common::drain_queue(&client, &queues.queue_url, Duration::from_secs(1)).await;
+    assert!(leftover.is_empty(), "messages left on the queue: {}", leftover.len());
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_their_jobs(pool: PgPool) {
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 2, Duration::from_secs(1)).await;
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let scheduler = Scheduler::new(
+        pool.clone(),
+        SqsPublisher::new(client.clone(), queues.queue_url.clone()),
+        common::scheduler_config(&queues.queue_url),
+    );
+    assert_eq!(scheduler.run_once().await.unwrap().published, 1);
+
+    // The worker's database is unreachable: every receive ends in a batch item failure.
+    let mut config = common::worker_config();
+    config.database.url = "postgres://postgres@127.0.0.1:1/nowhere".into();
+    let broken = Arc::new(Worker::new(rowq::store::connect_lazy(&config.database).unwrap(), effect_registry(), config));
+    let source = EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(10))
+        .await
+        .unwrap();
+    let handler = move |event: SqsEvent, deadline: Instant| {
+        let broken = broken.clone();
+        async move { broken.handle_batch(event, deadline).await }
+    };
+    let started = Instant::now();
+    let mut receives = 0;
+    while started.elapsed() < Duration::from_secs(30) {
+        receives += source.poll_once(&handler).await.unwrap();
+        let on_dlq: String = client
+            .get_queue_attributes()
+            .queue_url(&queues.dlq_url)
+            .attribute_names(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages)
+            .send()
+            .await
+            .unwrap()
+            .attributes()
+            .and_then(|a| a.get(&aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages).cloned())
+            .unwrap_or_default();
+        if on_dlq == "1" {
+            break;
+        }
+    }
+    assert_eq!(receives, 2, "received {receives} times before the DLQ took it");
+    assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched);
+
+    let dlq = EventSource::new(client.clone(), &queues.dlq_url, Duration::from_secs(1), Duration::from_secs(10))
+        .await
+        .unwrap();
+    let dlq_handler = |event: SqsEvent, _deadline: Instant| {
+        let pool = pool.clone();
+        async move { dlq::handle_batch(&pool, event).await }
+    };
+    assert_eq!(dlq.poll_once(&dlq_handler).await.unwrap(), 1);
+    let row = common::job(&pool, id).await;
+    assert_eq!(row.state, JobState::Failed);
+    let error = row.last_error.unwrap();
+    // The count is SQS's "approximate" one: LocalStack counts the receive that moved it.
+    assert!(error.contains("dead-lettered") && error.contains("times without being processed"), "{error}");
+    println!("dead-lettered after {:?}: {error}", started.elapsed());
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_dlq_handler_leaves_finished_and_redispatched_jobs_alone(pool: PgPool) {
+    let finished = common::enqueue(&pool, "noop", json!({})).await;
+    let redispatched = common::enqueue(&pool, "noop", json!({})).await;
+    let dead = common::enqueue(&pool, "noop", json!({})).await;
+    claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = $1")
+        .bind(finished)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE rowq.jobs SET dispatch_gen = 2 WHERE id = $1").bind(redispatched).execute(&pool).await.unwrap();
+
+    let record = |id: &str, body: String| {
+        let mut record = SqsMessage::default();
+        record.message_id = Some(id.into());
+        record.body = Some(body);
+        record.attributes.insert("ApproximateReceiveCount".into(), "5".into());
+        record
+    };
+    let mut event = SqsEvent::default();
+    event.records = vec![
+        record("a", JobMessage::new(finished, 1).encode()),
+        record("b", JobMessage::new(redispatched, 1).encode()),
+        record("c", "garbage".into()),
+        record("d", JobMessage::new(dead, 1).encode()),
+    ];
+    let response = dlq::handle_batch(&pool, event).await;
+    assert!(response.batch_item_failures.is_empty());
+    assert_eq!(common::job(&pool, finished).await.state, JobState::Succeeded);
+    assert_eq!(common::job(&pool, redispatched).await.state, JobState::Dispatched);
+    let row = common::job(&pool, dead).await;
+    assert_eq!(row.state, JobState::Failed);
+    assert!(row.last_error.unwrap().contains("received 5 times"));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn thousands_of_rows_flow_from_insert_to_succeeded_with_two_schedulers_and_several_pollers(
+    _: PgPoolOptions,
+    database: PgConnectOptions,
+) {
+    const JOBS: i64 = 3000;
+    // 8 pollers × 10 records, each job writing through its own transaction: more connections
+    // than the 5 a #[sqlx::test] pool allows.
+    let pool = PgPoolOptions::new().max_connections(40).connect_with(database).await.unwrap();
+    create_effects(&pool).await;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let config = PipelineConfig {
+        scheduler: common::scheduler_config(&queues.queue_url),
+        event_source: EventSourceConfig {
+            queue_url: queues.queue_url.clone(),
+            dlq_url: Some(queues.dlq_url.clone()),
+            pollers: 8,
+            wait: Duration::from_secs(1),
+            function_timeout: Duration::from_secs(30),
+        },
+        schedulers: 2,
+    };
+    let worker = Worker::new(pool.clone(), effect_registry(), common::worker_config());
+    let pipeline = Pipeline::start(pool.clone(), client.clone(), worker, config).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let started = Instant::now();
+    // Inserted in statements of 100, as an application would in bursts.
+    for _ in 0..JOBS / 100 {
+        sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'effect' FROM generate_series(1, 100)")
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    common::eventually(Duration::from_secs(120), "every job to succeed", || {
+        let pool = pool.clone();
+        async move { (common::count_in_state(&pool, JobState::Succeeded).await == JOBS).then_some(()) }
+    })
+    .await;
+    let elapsed = started.elapsed();
+    let totals = pipeline.stop().await;
+
+    let mut latencies: Vec<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM rowq.jobs ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    latencies.sort_by(f64::total_cmp);
+    println!(
+        "end to end through LocalStack: {JOBS} jobs in {elapsed:?} = {:.0} jobs/s; insert→running p50 {:.0} ms, p99 {:.0} ms; published {}",
+        JOBS as f64 / elapsed.as_secs_f64(),
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        totals.published
+    );
+    let attempts: HashSet<i32> =
+        sqlx::query_scalar("SELECT attempts FROM rowq.jobs").fetch_all(&pool).await.unwrap().into_iter().collect();
+    assert_eq!(attempts, HashSet::from([1]));
+    let effects: i64 = sqlx::query_scalar("SELECT count(DISTINCT job_id) FROM effects").fetch_one(&pool).await.unwrap();
+    assert_eq!(effects, JOBS);
+    assert_eq!(totals.published as i64, JOBS, "a job was published twice");
+}

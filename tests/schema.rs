@@ -1,0 +1,128 @@
+//! The table contract: what a plain INSERT from any client gets.
+
+mod common;
+
+use std::time::Duration;
+
+use rowq::JobState;
+use rowq::store::{self, admin};
+use serde_json::json;
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+
+/// Inserts with plain SQL, as a client in another language would, and returns the error text.
+async fn insert_error(pool: &PgPool, sql: &'static str) -> String {
+    match sqlx::query(sql).execute(pool).await {
+        Ok(_) => panic!("the database accepted a bad row: {sql}"),
+        Err(error) => error.to_string(),
+    }
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_plain_insert_of_kind_and_payload_is_a_complete_enqueue(pool: PgPool) {
+    sqlx::query(r#"INSERT INTO rowq.jobs (kind, payload) VALUES ('resize_image', '{"key":"a.png"}')"#)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let row: admin::JobRow = sqlx::query_as("SELECT * FROM rowq.jobs").fetch_one(&pool).await.unwrap();
+    assert_eq!(row.state, JobState::Pending);
+    assert_eq!(row.queue, "default");
+    assert_eq!(row.attempts, 0);
+    assert_eq!(row.max_attempts, 5);
+    assert_eq!(row.dispatch_gen, 0);
+    assert_eq!(row.priority, 0);
+    assert_eq!(row.errors, json!([]));
+    assert_eq!(row.payload, json!({"key": "a.png"}));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn bad_rows_are_refused_by_the_database_with_a_constraint_that_says_why(pool: PgPool) {
+    let cases: [(&'static str, &str); 10] = [
+        ("INSERT INTO rowq.jobs (kind) VALUES ('')", "jobs_kind_is_a_nonempty_identifier"),
+        ("INSERT INTO rowq.jobs (kind) VALUES ('x''; DROP TABLE rowq.jobs; --')", "jobs_kind_is_a_nonempty_identifier"),
+        ("INSERT INTO rowq.jobs (kind, max_attempts) VALUES ('noop', 0)", "jobs_max_attempts_between_1_and_1000"),
+        ("INSERT INTO rowq.jobs (kind, payload) VALUES ('noop', '[1,2]')", "jobs_payload_is_a_json_object"),
+        ("INSERT INTO rowq.jobs (kind, payload) VALUES ('noop', '\"text\"')", "jobs_payload_is_a_json_object"),
+        (
+            "INSERT INTO rowq.jobs (kind, payload) VALUES ('noop', jsonb_build_object('blob', repeat('x', 1048577)))",
+            "jobs_payload_is_at_most_1_mib",
+        ),
+        ("INSERT INTO rowq.jobs (kind, queue) VALUES ('noop', '')", "jobs_queue_is_a_nonempty_identifier"),
+        (
+            "INSERT INTO rowq.jobs (kind, group_key) VALUES ('noop', 'has space')",
+            "jobs_group_key_is_1_to_128_printable_ascii",
+        ),
+        ("INSERT INTO rowq.jobs (kind, priority) VALUES ('noop', 5000)", "jobs_priority_between_minus_1000_and_1000"),
+        ("INSERT INTO rowq.jobs (kind, dedup_key) VALUES ('noop', '')", "jobs_dedup_key_is_1_to_256_characters"),
+    ];
+    for (sql, constraint) in cases {
+        let error = insert_error(&pool, sql).await;
+        assert!(error.contains(constraint), "{sql}\n  gave: {error}\n  expected the constraint {constraint}");
+    }
+    let error = insert_error(&pool, "INSERT INTO rowq.jobs (payload) VALUES ('{}')").await;
+    assert!(error.contains(r#"null value in column "kind""#), "{error}");
+    let error = insert_error(&pool, "INSERT INTO rowq.jobs (kind, state) VALUES ('noop', 'done')").await;
+    assert!(error.contains("invalid input value for enum rowq.job_state"), "{error}");
+    // Nothing was half-inserted.
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs").fetch_one(&pool).await.unwrap();
+    assert_eq!(rows, 0);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_second_enqueue_with_the_same_dedup_key_is_a_no_op_until_the_first_finishes(pool: PgPool) {
+    let insert =
+        "INSERT INTO rowq.jobs (kind, dedup_key) VALUES ('noop', 'invoice-7') ON CONFLICT DO NOTHING RETURNING id";
+    let first: Option<i64> = sqlx::query_scalar(insert).fetch_optional(&pool).await.unwrap();
+    let second: Option<i64> = sqlx::query_scalar(insert).fetch_optional(&pool).await.unwrap();
+    assert!(first.is_some());
+    assert_eq!(second, None, "the duplicate enqueue inserted a row");
+
+    // Once the first job is finished the key is free again.
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now()").execute(&pool).await.unwrap();
+    let third: Option<i64> = sqlx::query_scalar(insert).fetch_optional(&pool).await.unwrap();
+    assert!(third.is_some());
+    assert_ne!(third, first);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn concurrent_enqueues_with_one_dedup_key_insert_exactly_one_row(pool: PgPool) {
+    let attempts = (0..16).map(|_| {
+        let pool = pool.clone();
+        async move {
+            let job = admin::NewJob { dedup_key: Some("race".into()), ..admin::NewJob::new("noop", json!({})) };
+            admin::enqueue(&pool, &job).await.unwrap()
+        }
+    });
+    let inserted: Vec<_> = futures::future::join_all(attempts).await.into_iter().flatten().collect();
+    assert_eq!(inserted.len(), 1);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs").fetch_one(&pool).await.unwrap();
+    assert_eq!(rows, 1);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn an_enqueue_inside_the_callers_transaction_vanishes_with_its_rollback(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    admin::enqueue(&mut *tx, &admin::NewJob::new("noop", json!({}))).await.unwrap();
+    tx.rollback().await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs").fetch_one(&pool).await.unwrap();
+    assert_eq!(rows, 0);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn one_insert_statement_sends_one_notification_however_many_rows(pool: PgPool) {
+    let mut listener = PgListener::connect_with(&pool).await.unwrap();
+    listener.listen(store::NOTIFY_CHANNEL).await.unwrap();
+    common::enqueue_many(&pool, "noop", 500).await;
+    common::enqueue_many(&pool, "noop", 3).await;
+    let mut received = 0;
+    while let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), listener.recv()).await {
+        received += 1;
+    }
+    assert_eq!(received, 2, "expected one NOTIFY per INSERT statement");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn migrations_apply_twice_without_change(pool: PgPool) {
+    store::migrate(&pool).await.unwrap();
+    store::migrate(&pool).await.unwrap();
+}

@@ -1,0 +1,497 @@
+//! The worker's handle_batch against real Postgres: fence, run, finish, and every way a
+//! message can be stale, duplicated, malformed or cut off.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
+use rowq::store::admin::{self, NewJob};
+use rowq::store::dispatch::claim_due;
+use rowq::store::run::{Finish, Outcome, StartRequest, finish, start};
+use rowq::{
+    JobContext, JobError, JobId, JobMessage, JobState, MemoryPublisher, Registry, Scheduler, Worker, maintenance,
+};
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::PgPool;
+
+const MEMORY_URL: &str = "memory://jobs.fifo";
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Effect {
+    /// Fail (retryably) the first N attempts, after writing the effect.
+    fail_first: i32,
+    sleep_ms: u64,
+}
+
+/// Writes one row per execution into `effects` through the job's transaction.
+async fn effect(ctx: JobContext, input: Effect) -> Result<i32, JobError> {
+    sqlx::query("INSERT INTO effects (job_id, attempt) VALUES ($1, $2)")
+        .bind(ctx.job_id)
+        .bind(ctx.attempt)
+        .execute(&mut **ctx.tx().await?)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(input.sleep_ms)).await;
+    if ctx.attempt <= input.fail_first {
+        return Err(JobError::retryable(format!("effect fails attempt {}", ctx.attempt)));
+    }
+    Ok(ctx.attempt)
+}
+
+async fn create_effects(pool: &PgPool) {
+    sqlx::query("CREATE TABLE effects (job_id bigint NOT NULL, attempt int NOT NULL, UNIQUE (job_id, attempt))")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+async fn effects_of(pool: &PgPool, id: JobId) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects WHERE job_id = $1").bind(id).fetch_one(pool).await.unwrap()
+}
+
+fn registry() -> Registry {
+    Registry::builtin().register("effect", effect).register_with_timeout(
+        "slow",
+        Duration::from_millis(200),
+        |_: JobContext, _: serde_json::Value| async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            Ok(())
+        },
+    )
+}
+
+fn worker(pool: &PgPool) -> Worker {
+    Worker::new(pool.clone(), registry(), common::worker_config())
+}
+
+fn record(message_id: &str, group: &str, body: String) -> SqsMessage {
+    let mut record = SqsMessage::default();
+    record.message_id = Some(message_id.to_string());
+    record.body = Some(body);
+    record.attributes.insert("MessageGroupId".into(), group.into());
+    record
+}
+
+fn event(records: Vec<SqsMessage>) -> SqsEvent {
+    let mut event = SqsEvent::default();
+    event.records = records;
+    event
+}
+
+fn message(id: JobId, generation: i64) -> String {
+    JobMessage::new(id, generation).encode()
+}
+
+async fn deliver(worker: &Worker, records: Vec<SqsMessage>) -> Vec<String> {
+    let response = worker.handle_batch(event(records), Instant::now() + Duration::from_secs(30)).await;
+    response.batch_item_failures.into_iter().map(|f| f.item_identifier).collect()
+}
+
+/// Claims everything due and hands each claim to the worker as its own one-record batch.
+async fn dispatch_and_run(pool: &PgPool, worker: &Worker) -> usize {
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), common::scheduler_config(MEMORY_URL));
+    scheduler.run_once().await.unwrap();
+    let sent = scheduler.publisher().take();
+    for outgoing in &sent {
+        let id = outgoing.message.dedup_id();
+        let failed = deliver(worker, vec![record(&id, &outgoing.group_id, outgoing.message.encode())]).await;
+        assert!(failed.is_empty(), "infrastructure failure on {id}");
+    }
+    sent.len()
+}
+
+/// Runs the job to a terminal state, skipping backoff delays.
+async fn run_to_end(pool: &PgPool, worker: &Worker, id: JobId) -> admin::JobRow {
+    for _ in 0..50 {
+        let row = common::job(pool, id).await;
+        if row.state.is_terminal() {
+            return row;
+        }
+        sqlx::query("UPDATE rowq.jobs SET run_at = now() WHERE id = $1 AND state = 'pending'")
+            .bind(id)
+            .execute(pool)
+            .await
+            .unwrap();
+        dispatch_and_run(pool, worker).await;
+    }
+    panic!("job {id} did not finish");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_job_runs_once_and_its_result_and_its_writes_commit_together(pool: PgPool) {
+    create_effects(&pool).await;
+    let id = common::enqueue(&pool, "effect", json!({})).await;
+    let echo = common::enqueue(&pool, "echo", json!({"hello": "world"})).await;
+    assert_eq!(dispatch_and_run(&pool, &worker(&pool)).await, 2);
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts, row.result.clone()), (JobState::Succeeded, 1, Some(json!(1))));
+    assert!(row.finished_at.is_some() && row.started_at.is_some());
+    assert_eq!(effects_of(&pool, id).await, 1);
+    assert_eq!(common::job(&pool, echo).await.result, Some(json!({"hello": "world"})));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_message_delivered_twice_in_one_batch_or_in_two_runs_the_job_once(pool: PgPool) {
+    create_effects(&pool).await;
+    let worker = worker(&pool);
+    let id = common::enqueue(&pool, "effect", json!({})).await;
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let body = message(id, claimed[0].dispatch_gen);
+    let failed = deliver(&worker, vec![record("m1", "g", body.clone()), record("m2", "g", body.clone())]).await;
+    assert!(failed.is_empty());
+    let failed = deliver(&worker, vec![record("m3", "g", body)]).await;
+    assert!(failed.is_empty(), "a duplicate must be acknowledged, not retried");
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 1));
+    assert_eq!(effects_of(&pool, id).await, 1);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_stale_generation_arriving_after_a_rescue_is_acknowledged_without_running(pool: PgPool) {
+    create_effects(&pool).await;
+    let worker = worker(&pool);
+    let id = common::enqueue(&pool, "effect", json!({})).await;
+    claim_due(&pool, "default", 1, Duration::from_millis(1)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(maintenance::run_once(&pool, Duration::ZERO).await.unwrap().rescued_dispatched, 1);
+    let again = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(again[0].dispatch_gen, 2);
+
+    let failed = deliver(&worker, vec![record("old", "g", message(id, 1))]).await;
+    assert!(failed.is_empty());
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts, row.dispatch_gen), (JobState::Dispatched, 0, 2));
+    assert_eq!(effects_of(&pool, id).await, 0);
+
+    deliver(&worker, vec![record("new", "g", message(id, 2))]).await;
+    assert_eq!(common::job(&pool, id).await.state, JobState::Succeeded);
+    assert_eq!(effects_of(&pool, id).await, 1);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_cancelled_job_whose_message_arrives_does_not_run(pool: PgPool) {
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    assert!(admin::cancel(&pool, id).await.unwrap().is_some());
+    let failed = deliver(&worker(&pool), vec![record("m", "g", message(id, claimed[0].dispatch_gen))]).await;
+    assert!(failed.is_empty());
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Cancelled, 0));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn job_errors_retry_with_backoff_then_succeed_and_fail_when_attempts_run_out(pool: PgPool) {
+    create_effects(&pool).await;
+    let worker = worker(&pool);
+    let flaky = common::enqueue(&pool, "fail", json!({"times": 2})).await;
+    dispatch_and_run(&pool, &worker).await;
+    let row = common::job(&pool, flaky).await;
+    assert_eq!((row.state, row.attempts), (JobState::Pending, 1));
+    assert!(row.run_at > row.started_at.unwrap(), "a retry must wait for its backoff");
+    assert!(row.last_error.as_deref().unwrap().contains("failing on purpose"));
+    let row = run_to_end(&pool, &worker, flaky).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 3));
+    assert_eq!(row.result, Some(json!({"succeeded_on_attempt": 3})));
+    let history = row.errors.as_array().unwrap();
+    assert_eq!(history.len(), 2);
+    assert_eq!(history[0]["attempt"], json!(1));
+    assert_eq!(history[1]["attempt"], json!(2));
+    assert_eq!(row.last_error, None, "a success clears last_error; the history keeps it");
+
+    // The failed attempts' writes were rolled back; only the successful one's remain.
+    let effectful =
+        admin::enqueue(&pool, &NewJob { max_attempts: Some(5), ..NewJob::new("effect", json!({"fail_first": 2})) })
+            .await
+            .unwrap()
+            .unwrap();
+    let row = run_to_end(&pool, &worker, effectful).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 3));
+    let attempts: Vec<i32> = sqlx::query_scalar("SELECT attempt FROM effects WHERE job_id = $1")
+        .bind(effectful)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(attempts, vec![3]);
+
+    let exhausted =
+        admin::enqueue(&pool, &NewJob { max_attempts: Some(2), ..NewJob::new("fail", json!({"times": 9})) })
+            .await
+            .unwrap()
+            .unwrap();
+    let row = run_to_end(&pool, &worker, exhausted).await;
+    assert_eq!((row.state, row.attempts), (JobState::Failed, 2));
+    assert!(row.last_error.as_deref().unwrap().contains("no attempts left"), "{:?}", row.last_error);
+
+    let permanent = common::enqueue(&pool, "fail", json!({})).await;
+    let row = run_to_end(&pool, &worker, permanent).await;
+    assert_eq!((row.state, row.attempts), (JobState::Failed, 1), "a permanent error must not retry");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn unknown_kinds_and_payloads_that_do_not_fit_fail_with_a_clear_error(pool: PgPool) {
+    let worker = worker(&pool);
+    let unknown = common::enqueue(&pool, "resize_image", json!({})).await;
+    let bad_payload = common::enqueue(&pool, "sleep", json!({"ms": "soon"})).await;
+    let extra_field = common::enqueue(&pool, "sleep", json!({"ms": 1, "mss": 2})).await;
+    dispatch_and_run(&pool, &worker).await;
+
+    let row = common::job(&pool, unknown).await;
+    assert_eq!((row.state, row.attempts), (JobState::Failed, 1));
+    let error = row.last_error.unwrap();
+    assert!(error.contains(r#"unknown job kind "resize_image""#) && error.contains("echo"), "{error}");
+    for id in [bad_payload, extra_field] {
+        let row = common::job(&pool, id).await;
+        assert_eq!(row.state, JobState::Failed);
+        assert!(
+            row.last_error.as_deref().unwrap().contains(r#"payload does not fit job kind "sleep""#),
+            "{:?}",
+            row.last_error
+        );
+    }
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_handler_that_exceeds_its_timeout_is_stopped_and_recorded_as_a_timed_out_attempt(pool: PgPool) {
+    let id = common::enqueue(&pool, "slow", json!({})).await;
+    let started = Instant::now();
+    dispatch_and_run(&pool, &worker(&pool)).await;
+    println!("a 30 s handler with a 200 ms timeout returned after {:?}", started.elapsed());
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Pending, 1));
+    assert_eq!(row.last_error.as_deref(), Some("timed out after 200 ms"));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_panicking_handler_is_a_failed_attempt_not_a_crashed_batch(pool: PgPool) {
+    let registry = Registry::new().register("panics", |_: JobContext, _: serde_json::Value| async {
+        if true {
+            panic!("index out of bounds");
+        }
+        Ok(())
+    });
+    let worker = Worker::new(pool.clone(), registry, common::worker_config());
+    let id = common::enqueue(&pool, "panics", json!({})).await;
+    dispatch_and_run(&pool, &worker).await;
+    let row = common::job(&pool, id).await;
+    assert_eq!(row.state, JobState::Pending);
+    assert_eq!(row.last_error.as_deref(), Some("handler panicked: index out of bounds"));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn malformed_messages_are_acknowledged_and_the_rest_of_the_batch_runs(pool: PgPool) {
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let huge = format!(r#"{{"v":1,"job_id":1,"dispatch_gen":1,"pad":"{}"}}"#, "x".repeat(200_000));
+    let records = vec![
+        record("junk", "g", "hello".into()),
+        record("version", "g", r#"{"v":2,"job_id":1,"dispatch_gen":1}"#.into()),
+        record("missing", "g", r#"{"v":1,"job_id":1}"#.into()),
+        record("negative", "g", r#"{"v":1,"job_id":-1,"dispatch_gen":1}"#.into()),
+        record("no-such-job", "g", message(JobId(987_654), 1)),
+        record("huge", "g", huge),
+        record("empty", "g", String::new()),
+        record("real", "g", message(id, claimed[0].dispatch_gen)),
+    ];
+    let failed = deliver(&worker(&pool), records).await;
+    assert!(failed.is_empty(), "bad messages must not be retried: {failed:?}");
+    assert_eq!(common::job(&pool, id).await.state, JobState::Succeeded);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_worker_killed_mid_job_is_taken_over_by_the_redelivered_message_and_the_job_finishes_once(pool: PgPool) {
+    create_effects(&pool).await;
+    let id = common::enqueue(&pool, "effect", json!({})).await;
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    // The first worker passed the fence and was killed: nothing of it committed but the fence.
+    let killed =
+        start(&pool, &[StartRequest { id, dispatch_gen: claimed[0].dispatch_gen, lease: Duration::from_millis(100) }])
+            .await
+            .unwrap();
+    assert_eq!(killed[0].attempt, 1);
+
+    // Redelivered before the run deadline: the job may still be running; acknowledged, not run.
+    let body = message(id, claimed[0].dispatch_gen);
+    deliver(&worker(&pool), vec![record("again", "g", body.clone())]).await;
+    assert_eq!(common::job(&pool, id).await.attempts, 1, "took over a job before its run deadline");
+
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    deliver(&worker(&pool), vec![record("after-deadline", "g", body)]).await;
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 2));
+    assert_eq!(effects_of(&pool, id).await, 1);
+
+    // The killed worker comes back to life and tries to record its outcome: refused.
+    let zombie = Finish {
+        id,
+        dispatch_gen: killed[0].dispatch_gen,
+        attempt: 1,
+        outcome: Outcome::Succeeded { result: json!("zombie") },
+    };
+    assert!(finish(&pool, &[zombie]).await.unwrap().is_empty());
+    assert_eq!(common::job(&pool, id).await.result, Some(json!(2)));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_taken_over_execution_cannot_commit_its_writes(pool: PgPool) {
+    create_effects(&pool).await;
+    let id = common::enqueue(&pool, "effect", json!({"sleep_ms": 600})).await;
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let body = message(id, claimed[0].dispatch_gen);
+    // The first worker stalls (a long GC pause, a frozen VM): while its handler is still
+    // running, its run deadline passes and a redelivered message takes the job over.
+    let first = tokio::spawn({
+        let (pool, body) = (pool.clone(), body.clone());
+        async move {
+            worker(&pool)
+                .handle_batch(event(vec![record("first", "g", body)]), Instant::now() + Duration::from_secs(30))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sqlx::query("UPDATE rowq.jobs SET run_deadline = now() - interval '1 second' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    deliver(&worker(&pool), vec![record("second", "g", body)]).await;
+    let _: SqsBatchResponse = first.await.unwrap();
+
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 2));
+    let attempts: Vec<i32> =
+        sqlx::query_scalar("SELECT attempt FROM effects WHERE job_id = $1").bind(id).fetch_all(&pool).await.unwrap();
+    assert_eq!(attempts, vec![2], "the superseded execution's writes committed");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_job_whose_worker_died_is_rescued_by_maintenance_and_runs_again(pool: PgPool) {
+    create_effects(&pool).await;
+    let id = admin::enqueue(&pool, &NewJob { max_attempts: Some(2), ..NewJob::new("effect", json!({})) })
+        .await
+        .unwrap()
+        .unwrap();
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    start(&pool, &[StartRequest { id, dispatch_gen: claimed[0].dispatch_gen, lease: Duration::from_millis(50) }])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let report = maintenance::run_once(&pool, Duration::ZERO).await.unwrap();
+    assert_eq!(report.rescued_running, 1);
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Pending, 1));
+    assert!(row.last_error.as_deref().unwrap().contains("no outcome by the run deadline"));
+
+    let row = run_to_end(&pool, &worker(&pool), id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 2));
+    assert_eq!(effects_of(&pool, id).await, 1);
+
+    // With no attempts left, a rescue fails the job instead.
+    let last = admin::enqueue(&pool, &NewJob { max_attempts: Some(1), ..NewJob::new("noop", json!({})) })
+        .await
+        .unwrap()
+        .unwrap();
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    start(&pool, &[StartRequest { id: last, dispatch_gen: claimed[0].dispatch_gen, lease: Duration::from_millis(50) }])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(maintenance::run_once(&pool, Duration::ZERO).await.unwrap().failed, 1);
+    assert_eq!(common::job(&pool, last).await.state, JobState::Failed);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn an_unreachable_database_fails_every_record_so_sqs_redelivers(pool: PgPool) {
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let mut config = common::worker_config();
+    config.database.url = "postgres://postgres@127.0.0.1:1/nowhere".into();
+    let unreachable = rowq::store::connect_lazy(&config.database).unwrap();
+    let worker = Worker::new(unreachable, registry(), config);
+    let failed = deliver(
+        &worker,
+        vec![
+            record("a", "g", message(id, claimed[0].dispatch_gen)),
+            record("b", "g", message(JobId(99), 1)),
+            record("c", "h", message(JobId(98), 1)),
+        ],
+    )
+    .await;
+    assert_eq!(failed, vec!["a", "b", "c"]);
+    assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched, "nothing changed");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn records_of_a_group_run_in_order_and_a_failure_fails_the_rest_of_that_group_only(pool: PgPool) {
+    let order: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let log = order.clone();
+    let registry = Registry::new()
+        .register("append", move |_: JobContext, input: serde_json::Value| {
+            let log = log.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                log.lock().unwrap().push(input["n"].as_i64().unwrap_or_default());
+                Ok(())
+            }
+        })
+        .register("cut_connection", |ctx: JobContext, _: serde_json::Value| async move {
+            // The job's own connection dies before its completion commits: an infrastructure
+            // failure, as when the database restarts mid-batch.
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut **ctx.tx().await?).await?;
+            sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(ctx.pool()).await?;
+            Ok(())
+        });
+    let worker = Worker::new(pool.clone(), registry, common::worker_config());
+    let mut ids = Vec::new();
+    for (kind, n) in [("append", 1), ("cut_connection", 2), ("append", 3), ("append", 10), ("append", 11)] {
+        ids.push(common::enqueue(&pool, kind, json!({ "n": n })).await);
+    }
+    let claimed = claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(claimed.len(), 5);
+    let failed = deliver(
+        &worker,
+        vec![
+            record("g1", "g", message(ids[0], 1)),
+            record("h10", "h", message(ids[3], 1)),
+            record("g2", "g", message(ids[1], 1)),
+            record("g3", "g", message(ids[2], 1)),
+            record("h11", "h", message(ids[4], 1)),
+        ],
+    )
+    .await;
+    assert_eq!(failed, vec!["g2", "g3"]);
+    let order = order.lock().unwrap().clone();
+    let g: Vec<i64> = order.iter().copied().filter(|n| *n < 10).collect();
+    let h: Vec<i64> = order.iter().copied().filter(|n| *n >= 10).collect();
+    assert_eq!(g, vec![1], "group g ran past its failure, or out of order");
+    assert_eq!(h, vec![10, 11]);
+    assert_eq!(common::job(&pool, ids[2]).await.state, JobState::Dispatched, "g3 must wait for redelivery");
+    assert_eq!(common::job(&pool, ids[1]).await.state, JobState::Running, "g2's outcome was not recorded");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_aws_sample_sqs_event_and_a_fifo_event_get_valid_partial_batch_responses(pool: PgPool) {
+    let worker = worker(&pool);
+    let sample: SqsEvent = serde_json::from_str(include_str!("fixtures/aws-example-sqs-event.json")).unwrap();
+    let response = worker.handle_batch(sample, Instant::now() + Duration::from_secs(5)).await;
+    assert_eq!(serde_json::to_value(&response).unwrap(), json!({"batchItemFailures": []}));
+
+    let id = common::enqueue(&pool, "echo", json!({"from": "fixture"})).await;
+    assert_eq!(id, JobId(1), "the fixture names job 1");
+    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let fifo: SqsEvent = serde_json::from_str(include_str!("fixtures/fifo-job-event.json")).unwrap();
+    let response = worker.handle_batch(fifo, Instant::now() + Duration::from_secs(5)).await;
+    assert_eq!(serde_json::to_value(&response).unwrap(), json!({"batchItemFailures": []}));
+    assert_eq!(common::job(&pool, id).await.result, Some(json!({"from": "fixture"})));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn an_invocation_without_time_left_hands_its_records_back(pool: PgPool) {
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let response = worker(&pool).handle_batch(event(vec![record("m", "g", message(id, 1))]), Instant::now()).await;
+    assert_eq!(response.batch_item_failures.len(), 1);
+    assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched);
+}
