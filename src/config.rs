@@ -109,6 +109,18 @@ fn process_env(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
+/// A lookup over the process environment where `overrides` always win and `defaults` fill
+/// in what the environment leaves unset. `rowq dev` uses it to pass the queue URLs it created.
+pub fn overlay(
+    overrides: Vec<(&'static str, String)>,
+    defaults: Vec<(&'static str, String)>,
+) -> impl Fn(&str) -> Option<String> {
+    move |name: &str| {
+        let find = |pairs: &[(&'static str, String)]| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone());
+        find(&overrides).or_else(|| process_env(name).filter(|v| !v.trim().is_empty())).or_else(|| find(&defaults))
+    }
+}
+
 /// `ROWQ_LOG_FORMAT=json|text`; by default JSON on Lambda, text elsewhere.
 pub fn log_format() -> crate::telemetry::LogFormat {
     match process_env("ROWQ_LOG_FORMAT").as_deref() {

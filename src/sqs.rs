@@ -224,15 +224,7 @@ async fn ensure_queue(
         }),
         Err(error) if error.as_service_error().is_some_and(|e| e.is_queue_name_exists()) => {
             // Exists with other attributes: look it up and bring it to the spec.
-            let url = client
-                .get_queue_url()
-                .queue_name(name)
-                .send()
-                .await
-                .map_err(|e| SqsError::call("GetQueueUrl", name, e))?
-                .queue_url()
-                .map(str::to_string)
-                .ok_or_else(|| SqsError::Request { operation: "GetQueueUrl", detail: format!("no URL for {name}") })?;
+            let url = queue_url(client, name).await?;
             let mut settable = attributes;
             settable.remove(&QueueAttributeName::FifoQueue);
             client
@@ -259,5 +251,44 @@ pub async fn queue_arn(client: &Client, queue_url: &str) -> Result<String, SqsEr
         .map_err(|e| SqsError::call("GetQueueAttributes", queue_url, e))?;
     output.attributes().and_then(|attributes| attributes.get(&QueueAttributeName::QueueArn)).cloned().ok_or_else(|| {
         SqsError::Request { operation: "GetQueueAttributes", detail: format!("no QueueArn for {queue_url}") }
+    })
+}
+
+/// Messages on a queue: waiting (visible) and received but not yet deleted (in flight).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct QueueDepth {
+    pub visible: u64,
+    pub in_flight: u64,
+}
+
+/// The URL of a queue by name.
+pub async fn queue_url(client: &Client, name: &str) -> Result<String, SqsError> {
+    client
+        .get_queue_url()
+        .queue_name(name)
+        .send()
+        .await
+        .map_err(|e| SqsError::call("GetQueueUrl", name, e))?
+        .queue_url()
+        .map(str::to_string)
+        .ok_or_else(|| SqsError::Request { operation: "GetQueueUrl", detail: format!("no URL for {name}") })
+}
+
+/// How many messages a queue holds (SQS's approximate counts).
+pub async fn queue_depth(client: &Client, queue_url: &str) -> Result<QueueDepth, SqsError> {
+    let output = client
+        .get_queue_attributes()
+        .queue_url(queue_url)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+        .send()
+        .await
+        .map_err(|e| SqsError::call("GetQueueAttributes", queue_url, e))?;
+    let count = |name: &QueueAttributeName| {
+        output.attributes().and_then(|a| a.get(name)).and_then(|v| v.parse().ok()).unwrap_or(0)
+    };
+    Ok(QueueDepth {
+        visible: count(&QueueAttributeName::ApproximateNumberOfMessages),
+        in_flight: count(&QueueAttributeName::ApproximateNumberOfMessagesNotVisible),
     })
 }

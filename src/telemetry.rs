@@ -17,7 +17,12 @@ pub enum LogFormat {
 /// Calling it twice is harmless (the second call does nothing).
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_target(false);
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     let _ = match format {
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),
         LogFormat::Text => builder.compact().try_init(),

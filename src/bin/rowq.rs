@@ -1,5 +1,0 @@
-//! The `rowq` command line.
-
-fn main() {
-    println!("rowq");
-}

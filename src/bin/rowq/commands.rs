@@ -1,0 +1,330 @@
+//! The operator subcommands: one function each, one clear line on error.
+
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use chrono::{DateTime, Utc};
+use clap::Args;
+use rowq::config::{DatabaseConfig, redact_url};
+use rowq::sqs::{self, QueueSpec};
+use rowq::store::{self, admin};
+use rowq::{JobId, JobState};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::{Command, QueueArgs, QueuesCommand};
+
+#[derive(Args)]
+pub struct EnqueueArgs {
+    /// The job kind (which handler runs it).
+    kind: String,
+    /// The payload, a JSON object.
+    #[arg(default_value = "{}")]
+    payload: String,
+    #[arg(long)]
+    queue: Option<String>,
+    /// Higher runs first.
+    #[arg(long, allow_hyphen_values = true)]
+    priority: Option<i16>,
+    /// Not before this time (RFC 3339, e.g. 2026-12-01T09:00:00Z).
+    #[arg(long, conflicts_with = "delay")]
+    run_at: Option<DateTime<Utc>>,
+    /// Not before this many seconds from now.
+    #[arg(long)]
+    delay: Option<u64>,
+    #[arg(long)]
+    max_attempts: Option<i32>,
+    /// Jobs with the same key run one at a time, in order.
+    #[arg(long)]
+    group_key: Option<String>,
+    /// A second enqueue with this key is a no-op while the first is unfinished.
+    #[arg(long)]
+    dedup_key: Option<String>,
+}
+
+#[derive(Args)]
+pub struct ListArgs {
+    #[arg(long)]
+    state: Option<JobState>,
+    #[arg(long)]
+    kind: Option<String>,
+    #[arg(long)]
+    queue: Option<String>,
+    #[arg(long, default_value_t = 20)]
+    limit: i64,
+}
+
+#[derive(Args)]
+pub struct RetryArgs {
+    /// The job id.
+    #[arg(required_unless_present = "all_failed", conflicts_with = "all_failed")]
+    id: Option<i64>,
+    /// Every failed job (of --queue, if given).
+    #[arg(long)]
+    all_failed: bool,
+    #[arg(long, requires = "all_failed")]
+    queue: Option<String>,
+}
+
+pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Queues { command: QueuesCommand::Create(args) } => return create_queues(&args, json).await,
+        Command::Queues { command: QueuesCommand::Show(args) } => return show_queues(&args, json).await,
+        Command::Dev(_) => unreachable!("dev is dispatched in main"),
+        _ => {}
+    }
+    let pool = connect(database_url).await?;
+    match command {
+        Command::Migrate => {
+            store::migrate(&pool).await.context("migration failed")?;
+            say(json, &serde_json::json!({"migrated": true}), "schema rowq is up to date");
+        }
+        Command::Enqueue(args) => enqueue(&pool, args, json).await?,
+        Command::Status { id } => {
+            let row = get(&pool, id).await?;
+            if json {
+                print_json(&row);
+            } else {
+                print_row(&row);
+            }
+        }
+        Command::List(args) => {
+            let filter = admin::ListFilter { state: args.state, kind: args.kind, queue: args.queue, limit: args.limit };
+            let rows = admin::list(&pool, &filter).await.context("cannot list jobs")?;
+            if json {
+                print_json(&rows);
+            } else {
+                print_table(&rows);
+            }
+        }
+        Command::Stats => stats(&pool, json).await?,
+        Command::Retry(args) => retry(&pool, args, json).await?,
+        Command::Cancel { id } => cancel(&pool, id, json).await?,
+        Command::Queues { .. } | Command::Dev(_) => {}
+    }
+    Ok(())
+}
+
+pub async fn connect(database_url: &str) -> anyhow::Result<PgPool> {
+    if database_url.is_empty() {
+        bail!("no database: set DATABASE_URL or pass --database-url postgres://user@host:5432/db");
+    }
+    let config = DatabaseConfig { url: database_url.to_string(), pool_size: 4 };
+    store::connect(&config).await.with_context(|| format!("cannot connect to {}", redact_url(database_url)))
+}
+
+async fn get(pool: &PgPool, id: i64) -> anyhow::Result<admin::JobRow> {
+    admin::get(pool, JobId(id)).await.context("cannot read the job")?.ok_or_else(|| anyhow!("job {id} does not exist"))
+}
+
+async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result<()> {
+    let payload: serde_json::Value = serde_json::from_str(&args.payload)
+        .with_context(|| format!("PAYLOAD is not valid JSON: {:?}", args.payload))?;
+    let run_at = match (args.run_at, args.delay) {
+        (Some(at), _) => Some(at),
+        (None, Some(secs)) => Some(Utc::now() + Duration::from_secs(secs)),
+        (None, None) => None,
+    };
+    let job = admin::NewJob {
+        kind: args.kind,
+        payload,
+        queue: args.queue,
+        priority: args.priority,
+        run_at,
+        max_attempts: args.max_attempts,
+        group_key: args.group_key,
+        dedup_key: args.dedup_key.clone(),
+    };
+    match admin::enqueue(pool, &job).await.map_err(refused)? {
+        Some(id) => say(json, &serde_json::json!({"id": id, "enqueued": true}), &format!("enqueued job {id}")),
+        None => say(
+            json,
+            &serde_json::json!({"id": null, "enqueued": false}),
+            &format!("not enqueued: an unfinished job already has dedup_key {:?}", args.dedup_key.unwrap_or_default()),
+        ),
+    }
+    Ok(())
+}
+
+/// A database refusal (CHECK, unique) as one line that names the rule.
+fn refused(error: sqlx::Error) -> anyhow::Error {
+    match error.as_database_error() {
+        Some(db) => anyhow!("the database refused the job: {}", db.message()),
+        None => anyhow!(error).context("cannot enqueue"),
+    }
+}
+
+async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()> {
+    if args.all_failed {
+        let ids = admin::retry_all_failed(pool, args.queue.as_deref()).await.map_err(|e| retry_refused(e, None))?;
+        say(json, &serde_json::json!({"retried": ids}), &format!("{} failed jobs back to pending", ids.len()));
+        return Ok(());
+    }
+    let id = args.id.unwrap_or_default();
+    match admin::retry(pool, JobId(id)).await.map_err(|e| retry_refused(e, Some(id)))? {
+        Some(row) => say(json, &row, &format!("job {id} is pending again (attempts reset)")),
+        None => {
+            let row = get(pool, id).await?;
+            bail!("job {id} is {}: only failed jobs can be retried", row.state);
+        }
+    }
+    Ok(())
+}
+
+fn retry_refused(error: sqlx::Error, id: Option<i64>) -> anyhow::Error {
+    let which = id.map_or("a job".to_string(), |id| format!("job {id}"));
+    match error.as_database_error() {
+        Some(db) if db.constraint() == Some("jobs_dedup_key_unfinished_idx") => {
+            anyhow!("{which} cannot be retried: another unfinished job holds its dedup_key")
+        }
+        _ => anyhow!(error).context(format!("cannot retry {which}")),
+    }
+}
+
+async fn cancel(pool: &PgPool, id: i64, json: bool) -> anyhow::Result<()> {
+    match admin::cancel(pool, JobId(id)).await.context("cannot cancel")? {
+        Some(row) => say(json, &row, &format!("job {id} cancelled")),
+        None => {
+            let row = get(pool, id).await?;
+            match row.state {
+                JobState::Running => {
+                    bail!("job {id} is running (attempt {}): it cannot be cancelled now", row.attempts)
+                }
+                state => bail!("job {id} is already {state}: nothing to cancel"),
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn stats(pool: &PgPool, json: bool) -> anyhow::Result<()> {
+    let stats = admin::stats(pool).await.context("cannot read stats")?;
+    if json {
+        print_json(&stats);
+        return Ok(());
+    }
+    println!("{:<16} {:<11} {:>10}", "QUEUE", "STATE", "JOBS");
+    for count in &stats.counts {
+        println!("{:<16} {:<11} {:>10}", count.queue, count.state, count.count);
+    }
+    match stats.oldest_pending_secs {
+        Some(secs) => println!("oldest due pending job: {secs:.1} s"),
+        None => println!("no due pending jobs"),
+    }
+    println!(
+        "finished in the last minute: {} ({:.1}/s)",
+        stats.finished_last_minute,
+        stats.finished_last_minute as f64 / 60.0
+    );
+    Ok(())
+}
+
+async fn create_queues(args: &QueueArgs, json: bool) -> anyhow::Result<()> {
+    let client = sqs::client().await;
+    let pair = sqs::ensure_queues(&client, &queue_spec(args)).await.context("cannot create the queues")?;
+    if json {
+        print_json(&serde_json::json!({
+            "queue_url": pair.queue_url, "queue_arn": pair.queue_arn, "dlq_url": pair.dlq_url, "dlq_arn": pair.dlq_arn,
+        }));
+    } else {
+        println!("ROWQ_QUEUE_URL={}", pair.queue_url);
+        println!("ROWQ_DLQ_URL={}", pair.dlq_url);
+    }
+    Ok(())
+}
+
+async fn show_queues(args: &QueueArgs, json: bool) -> anyhow::Result<()> {
+    let client = sqs::client().await;
+    let mut depths = serde_json::Map::new();
+    for name in [format!("{}.fifo", args.name), format!("{}-dlq.fifo", args.name)] {
+        let url = sqs::queue_url(&client, &name).await.with_context(|| format!("cannot find queue {name}"))?;
+        let depth = sqs::queue_depth(&client, &url).await?;
+        if !json {
+            println!("{name}: {} waiting, {} in flight", depth.visible, depth.in_flight);
+        }
+        depths.insert(name, serde_json::json!(depth));
+    }
+    if json {
+        print_json(&depths);
+    }
+    Ok(())
+}
+
+pub fn queue_spec(args: &QueueArgs) -> QueueSpec {
+    QueueSpec {
+        name: args.name.clone(),
+        max_receive_count: args.max_receive_count,
+        visibility_timeout: Duration::from_secs(6 * args.function_timeout),
+    }
+}
+
+fn say<T: Serialize>(json: bool, value: &T, text: &str) {
+    if json {
+        print_json(value);
+    } else {
+        println!("{text}");
+    }
+}
+
+fn print_json<T: Serialize>(value: &T) {
+    match serde_json::to_string_pretty(value) {
+        Ok(text) => println!("{text}"),
+        Err(error) => eprintln!("rowq: cannot print JSON: {error}"),
+    }
+}
+
+fn print_row(row: &admin::JobRow) {
+    let time = |t: Option<DateTime<Utc>>| t.map_or("-".to_string(), |t| t.to_rfc3339());
+    println!("job {}  {}  ({} in queue {})", row.id, row.state, row.kind, row.queue);
+    println!("  attempts      {} of {}", row.attempts, row.max_attempts);
+    println!("  priority      {}", row.priority);
+    println!("  run_at        {}", row.run_at.to_rfc3339());
+    println!("  dispatch_gen  {}", row.dispatch_gen);
+    if let Some(key) = &row.group_key {
+        println!("  group_key     {key}");
+    }
+    if let Some(key) = &row.dedup_key {
+        println!("  dedup_key     {key}");
+    }
+    println!("  created_at    {}", row.created_at.to_rfc3339());
+    println!("  started_at    {}", time(row.started_at));
+    println!("  finished_at   {}", time(row.finished_at));
+    println!("  payload       {}", row.payload);
+    if let Some(result) = &row.result {
+        println!("  result        {result}");
+    }
+    if let Some(error) = &row.last_error {
+        println!("  last_error    {error}");
+    }
+    if let Some(history) = row.errors.as_array().filter(|h| !h.is_empty()) {
+        println!("  errors:");
+        for entry in history {
+            println!(
+                "    attempt {} at {}: {}",
+                entry["attempt"],
+                entry["at"].as_str().unwrap_or("?"),
+                entry["error"].as_str().unwrap_or("?")
+            );
+        }
+    }
+}
+
+fn print_table(rows: &[admin::JobRow]) {
+    println!(
+        "{:>8} {:<12} {:<20} {:<10} {:>8} {:<25} LAST ERROR",
+        "ID", "QUEUE", "KIND", "STATE", "ATTEMPTS", "RUN AT"
+    );
+    for row in rows {
+        let error: String = row.last_error.as_deref().unwrap_or("").chars().take(60).collect();
+        println!(
+            "{:>8} {:<12} {:<20} {:<10} {:>8} {:<25} {}",
+            row.id,
+            row.queue,
+            row.kind,
+            row.state,
+            format!("{}/{}", row.attempts, row.max_attempts),
+            row.run_at.format("%Y-%m-%d %H:%M:%S%.3f"),
+            error
+        );
+    }
+}

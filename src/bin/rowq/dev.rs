@@ -1,0 +1,60 @@
+//! `rowq dev`: the whole pipeline on one machine until Ctrl-C.
+
+use anyhow::Context;
+use clap::Args;
+use rowq::config::{self, Env, EventSourceConfig, SchedulerConfig, WorkerConfig};
+use rowq::pipeline::{Pipeline, PipelineConfig};
+use rowq::{Registry, Worker, sqs, store, telemetry};
+
+use crate::QueueArgs;
+
+#[derive(Args)]
+pub struct DevArgs {
+    #[command(flatten)]
+    queues: QueueArgs,
+    /// Scheduler instances.
+    #[arg(long, default_value_t = 1)]
+    schedulers: usize,
+}
+
+/// Connections for the worker side: every poller may run a batch of 10 jobs that each hold a
+/// transaction.
+const DEV_POOL_SIZE: u32 = 50;
+
+pub async fn run(database_url: &str, args: DevArgs) -> anyhow::Result<()> {
+    telemetry::init(config::log_format());
+    let pool = crate::commands::connect(database_url).await?;
+    store::migrate(&pool).await.context("migration failed")?;
+    let client = sqs::client().await;
+    let pair = sqs::ensure_queues(&client, &crate::commands::queue_spec(&args.queues))
+        .await
+        .context("cannot create the queues (is the SQS endpoint up? `make localstack-up`)")?;
+    tracing::info!(queue_url = %pair.queue_url, dlq_url = %pair.dlq_url, "queues ready");
+
+    let lookup = config::overlay(
+        vec![
+            ("DATABASE_URL", database_url.to_string()),
+            ("ROWQ_QUEUE_URL", pair.queue_url.clone()),
+            ("ROWQ_DLQ_URL", pair.dlq_url.clone()),
+            ("ROWQ_FUNCTION_TIMEOUT_SECS", args.queues.function_timeout.to_string()),
+        ],
+        vec![("ROWQ_DB_POOL_SIZE", DEV_POOL_SIZE.to_string())],
+    );
+    let env = Env::new(&lookup);
+    let scheduler = SchedulerConfig::from(&env)?;
+    let worker_config = WorkerConfig::from(&env)?;
+    let event_source = EventSourceConfig::from(&env)?;
+    let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
+    let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
+    let config = PipelineConfig { scheduler, event_source, schedulers: args.schedulers };
+    let pipeline = Pipeline::start(pool, client, worker, config).await.context("cannot start the pipeline")?;
+    tracing::info!(
+        "rowq is running: INSERT INTO rowq.jobs (kind, payload) VALUES ('echo', '{{\"hello\":\"world\"}}'); Ctrl-C stops"
+    );
+    let mut shutdown = rowq::dispatch::shutdown_on_signals();
+    let _ = shutdown.wait_for(|stop| *stop).await;
+    tracing::info!("stopping: finishing the batches in flight");
+    let totals = pipeline.stop().await;
+    tracing::info!(published = totals.published, "stopped");
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! The `rowq` command line: operate the queue without writing SQL.
+
+mod commands;
+mod dev;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "rowq", version, about = "A Postgres table as a job queue whose work runs on AWS Lambda")]
+struct Cli {
+    /// Postgres URL.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true, default_value = "")]
+    database_url: String,
+    /// Print machine-readable JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or update the rowq schema (idempotent).
+    Migrate,
+    /// Enqueue a job (the same INSERT any client can run).
+    Enqueue(commands::EnqueueArgs),
+    /// Show one job: its row and its error history.
+    Status {
+        /// The job id.
+        id: i64,
+    },
+    /// List jobs, newest first.
+    List(commands::ListArgs),
+    /// Counts by queue and state, oldest pending age, throughput over the last minute.
+    Stats,
+    /// Put failed jobs back to pending, with attempts reset.
+    Retry(commands::RetryArgs),
+    /// Cancel a pending or dispatched job.
+    Cancel {
+        /// The job id.
+        id: i64,
+    },
+    /// Manage the SQS queues.
+    Queues {
+        #[command(subcommand)]
+        command: QueuesCommand,
+    },
+    /// Run the whole pipeline on this machine: migrations, queues, scheduler, worker and DLQ
+    /// handler behind a local event source, until Ctrl-C.
+    Dev(dev::DevArgs),
+}
+
+#[derive(Subcommand)]
+enum QueuesCommand {
+    /// Create the FIFO jobs queue and its FIFO DLQ with a redrive policy (idempotent).
+    Create(QueueArgs),
+    /// Messages waiting and in flight on the jobs queue and the DLQ.
+    Show(QueueArgs),
+}
+
+#[derive(Args, Clone)]
+pub struct QueueArgs {
+    /// Base name: the queues are NAME.fifo and NAME-dlq.fifo.
+    #[arg(long, env = "ROWQ_SQS_QUEUE_NAME", default_value = "rowq-jobs")]
+    pub name: String,
+    /// Receives before a message moves to the DLQ.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub max_receive_count: u32,
+    /// The worker's function timeout in seconds; the visibility timeout is 6 times it.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=900))]
+    pub function_timeout: u64,
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Dev(args) => dev::run(&cli.database_url, args).await,
+        command => commands::run(&cli.database_url, cli.json, command).await,
+    };
+    if let Err(error) = result {
+        eprintln!("rowq: {error:#}");
+        std::process::exit(1);
+    }
+}
