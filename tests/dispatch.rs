@@ -473,3 +473,36 @@ async fn a_release_after_a_worker_started_the_job_leaves_it_running(pool: PgPool
     assert!(released.is_empty());
     assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched);
 }
+
+/// A publisher that, while it "sends", looks at the rows from another connection.
+struct Inspecting {
+    pool: PgPool,
+    seen: std::sync::Mutex<Vec<JobState>>,
+}
+
+impl rowq::Publisher for Inspecting {
+    async fn send_batch(&self, batch: &[rowq::sqs::Outgoing]) -> Result<Vec<rowq::sqs::EntryFailure>, rowq::sqs::SqsError> {
+        for outgoing in batch {
+            let state: JobState = sqlx::query_scalar("SELECT state FROM rowq.jobs WHERE id = $1")
+                .bind(outgoing.message.job_id)
+                .fetch_one(&self.pool)
+                .await
+                .expect("read the row while publishing");
+            self.seen.lock().unwrap().push(state);
+        }
+        Ok(Vec::new())
+    }
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn claims_are_committed_before_anything_is_sent(pool: PgPool) {
+    // If the claim's transaction were still open during the SQS call, another connection would
+    // see the rows as pending, and a worker fast enough could not fence them.
+    common::enqueue_many(&pool, "noop", 30).await;
+    let inspecting = Inspecting { pool: pool.clone(), seen: Default::default() };
+    let scheduler = Scheduler::new(pool.clone(), inspecting, common::scheduler_config(MEMORY_URL));
+    assert_eq!(scheduler.run_once().await.unwrap().published, 30);
+    let seen = scheduler.publisher().seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 30);
+    assert!(seen.iter().all(|s| *s == JobState::Dispatched), "rows not committed as dispatched during publish: {seen:?}");
+}
