@@ -495,3 +495,25 @@ async fn an_invocation_without_time_left_hands_its_records_back(pool: PgPool) {
     assert_eq!(response.batch_item_failures.len(), 1);
     assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched);
 }
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_stalled_worker_cannot_finish_a_job_that_was_rescued_or_dead_lettered_meanwhile(pool: PgPool) {
+    // Rescue and dead-lettering change neither the generation nor the attempt: only the
+    // state guard stops the stalled worker's outcome.
+    let rescued = common::enqueue(&pool, "noop", json!({})).await;
+    let dead = common::enqueue(&pool, "noop", json!({})).await;
+    claim_due(&pool, "default", 2, Duration::from_secs(60)).await.unwrap();
+    let lease = |id| StartRequest { id, dispatch_gen: 1, lease: Duration::from_millis(50) };
+    start(&pool, &[lease(rescued), lease(dead)]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(rowq::store::maintenance::rescue_running(&pool, Duration::ZERO).await.unwrap().len(), 2);
+    // Put `dead` back to running and dead-letter it instead.
+    sqlx::query("UPDATE rowq.jobs SET state = 'running' WHERE id = $1").bind(dead).execute(&pool).await.unwrap();
+    rowq::store::run::dead_letter(&pool, dead, 1, "dead-lettered in a test").await.unwrap().unwrap();
+
+    let stalled = |id| Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
+    let recorded = finish(&pool, &[stalled(rescued), stalled(dead)]).await.unwrap();
+    assert!(recorded.is_empty(), "a stalled worker recorded an outcome: {recorded:?}");
+    assert_eq!(common::job(&pool, rescued).await.state, JobState::Pending);
+    assert_eq!(common::job(&pool, dead).await.state, JobState::Failed);
+}
