@@ -15,6 +15,10 @@ export AWS_SECRET_ACCESS_KEY ?= test
 export CARGO_TERM_COLOR ?= never
 
 LOCALSTACK := infra/localstack/localstack.sh
+# cargo-lambda (with Zig) from PyPI, in a cached virtualenv.
+TOOLS := $(CURDIR)/.cache/tools-venv
+CARGO_LAMBDA_VERSION := 1.9.2
+export PATH := $(TOOLS)/bin:$(PATH)
 # Tests share two cores with LocalStack and Postgres; more threads only add contention.
 TEST_THREADS ?= 4
 
@@ -40,6 +44,22 @@ localstack-up: ## start LocalStack (SQS) on 127.0.0.1:4566, installing it on fir
 .PHONY: localstack-down
 localstack-down: ## stop the LocalStack that localstack-up started
 	$(LOCALSTACK) down
+
+.PHONY: tools
+tools: $(TOOLS)/.cargo-lambda-$(CARGO_LAMBDA_VERSION) ## install cargo-lambda (from PyPI) into .cache/tools-venv
+
+$(TOOLS)/.cargo-lambda-$(CARGO_LAMBDA_VERSION):
+	python3 -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check cargo-lambda==$(CARGO_LAMBDA_VERSION)
+	touch $@
+
+.PHONY: lambda-watch
+lambda-watch: tools ## serve the worker on the local Lambda runtime emulator (127.0.0.1:9000)
+	cargo lambda watch -A 127.0.0.1 -P 9000
+
+.PHONY: lambda-invoke
+lambda-invoke: tools ## invoke the watched worker with the committed FIFO fixture event
+	cargo lambda invoke worker -A 127.0.0.1 -P 9000 --data-file tests/fixtures/fifo-job-event.json
 
 .PHONY: clean
 clean: ## remove build output and the cached LocalStack virtualenv

@@ -105,9 +105,15 @@ impl Worker {
     /// Fences, runs and finishes one record per group. Returns the groups that hit an
     /// infrastructure failure.
     async fn run_round(&self, round: &[(usize, Record)], deadline: Instant) -> Vec<usize> {
-        let remaining = deadline.saturating_duration_since(Instant::now()).saturating_sub(self.config.deadline_margin);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let remaining = left.saturating_sub(self.config.deadline_margin);
         if remaining.is_zero() {
-            tracing::warn!(records = round.len(), "no time left in this invocation; records will be redelivered");
+            tracing::warn!(
+                records = round.len(),
+                left_ms = left.as_millis() as u64,
+                margin_ms = self.config.deadline_margin.as_millis() as u64,
+                "no time left in this invocation; records will be redelivered"
+            );
             return round.iter().map(|(g, _)| *g).collect();
         }
         let longest =
@@ -341,8 +347,18 @@ pub fn backoff(attempt: i32, base: Duration, max: Duration) -> Duration {
     half + Duration::from_millis(jitter_ms)
 }
 
-/// The Lambda deadline as an `Instant`.
+/// Epoch milliseconds of 2001-01-01: no real invocation deadline is earlier.
+const PLAUSIBLE_EPOCH_MS: u64 = 978_307_200_000;
+
+/// The Lambda deadline (`Lambda-Runtime-Deadline-Ms`, epoch milliseconds) as an `Instant`.
+///
+/// `cargo lambda watch` (1.9) sends the function timeout itself (e.g. `600000`) instead of an
+/// epoch time; read as epoch it would leave no time at all, so a value that cannot be an epoch
+/// deadline is taken as the time left.
 pub fn deadline_from_epoch_millis(deadline_ms: u64) -> Instant {
+    if deadline_ms < PLAUSIBLE_EPOCH_MS {
+        return Instant::now() + Duration::from_millis(deadline_ms);
+    }
     let deadline = SystemTime::UNIX_EPOCH + Duration::from_millis(deadline_ms);
     let remaining = deadline.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
     Instant::now() + remaining
@@ -422,7 +438,21 @@ mod tests {
 
     #[test]
     fn lambda_deadline_in_the_past_leaves_no_time() {
-        let deadline = deadline_from_epoch_millis(1_000);
+        let an_hour_ago = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap() - Duration::from_secs(3600);
+        let deadline = deadline_from_epoch_millis(an_hour_ago.as_millis() as u64);
         assert!(deadline <= Instant::now());
+    }
+
+    #[test]
+    fn lambda_deadline_in_the_future_leaves_the_time_until_it() {
+        let in_a_minute = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap() + Duration::from_secs(60);
+        let left = deadline_from_epoch_millis(in_a_minute.as_millis() as u64) - Instant::now();
+        assert!(left > Duration::from_secs(58) && left <= Duration::from_secs(60), "{left:?}");
+    }
+
+    #[test]
+    fn an_emulator_deadline_that_is_a_timeout_is_read_as_time_left() {
+        let left = deadline_from_epoch_millis(600_000) - Instant::now();
+        assert!(left > Duration::from_secs(590) && left <= Duration::from_secs(600), "{left:?}");
     }
 }

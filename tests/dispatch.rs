@@ -481,7 +481,10 @@ struct Inspecting {
 }
 
 impl rowq::Publisher for Inspecting {
-    async fn send_batch(&self, batch: &[rowq::sqs::Outgoing]) -> Result<Vec<rowq::sqs::EntryFailure>, rowq::sqs::SqsError> {
+    async fn send_batch(
+        &self,
+        batch: &[rowq::sqs::Outgoing],
+    ) -> Result<Vec<rowq::sqs::EntryFailure>, rowq::sqs::SqsError> {
         for outgoing in batch {
             let state: JobState = sqlx::query_scalar("SELECT state FROM rowq.jobs WHERE id = $1")
                 .bind(outgoing.message.job_id)
@@ -504,5 +507,8 @@ async fn claims_are_committed_before_anything_is_sent(pool: PgPool) {
     assert_eq!(scheduler.run_once().await.unwrap().published, 30);
     let seen = scheduler.publisher().seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 30);
-    assert!(seen.iter().all(|s| *s == JobState::Dispatched), "rows not committed as dispatched during publish: {seen:?}");
+    assert!(
+        seen.iter().all(|s| *s == JobState::Dispatched),
+        "rows not committed as dispatched during publish: {seen:?}"
+    );
 }

@@ -511,7 +511,8 @@ async fn a_stalled_worker_cannot_finish_a_job_that_was_rescued_or_dead_lettered_
     sqlx::query("UPDATE rowq.jobs SET state = 'running' WHERE id = $1").bind(dead).execute(&pool).await.unwrap();
     rowq::store::run::dead_letter(&pool, dead, 1, "dead-lettered in a test").await.unwrap().unwrap();
 
-    let stalled = |id| Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
+    let stalled =
+        |id| Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
     let recorded = finish(&pool, &[stalled(rescued), stalled(dead)]).await.unwrap();
     assert!(recorded.is_empty(), "a stalled worker recorded an outcome: {recorded:?}");
     assert_eq!(common::job(&pool, rescued).await.state, JobState::Pending);
