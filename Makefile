@@ -32,6 +32,17 @@ test: ## lint, then every test against real Postgres and LocalStack (starts and 
 	cargo clippy --all-targets --locked -- -D warnings
 	$(LOCALSTACK) with cargo test --locked -- --test-threads=$(TEST_THREADS)
 
+.PHONY: dev
+dev: ## run the whole pipeline on this machine until Ctrl-C (Postgres + LocalStack found or started)
+	cargo build --locked --bin rowq
+	infra/dev/run.sh dev
+
+DEMO_JOBS ?= 1000
+.PHONY: demo
+demo: ## dev plus a mixed batch of demo jobs, live progress and a summary (DEMO_JOBS=1000)
+	cargo build --locked --bin rowq
+	infra/dev/run.sh demo --jobs $(DEMO_JOBS)
+
 .PHONY: check
 check: ## fmt + clippy only
 	cargo fmt --all -- --check

@@ -137,9 +137,13 @@ impl<P: Publisher> Scheduler<P> {
             .map(|chunk| {
                 chunk
                     .iter()
-                    .map(|job| Outgoing {
-                        message: JobMessage::new(job.id, job.dispatch_gen),
-                        group_id: job.group_key.clone().unwrap_or_else(|| job.id.to_string()),
+                    .map(|job| {
+                        let message = JobMessage::new(job.id, job.dispatch_gen);
+                        Outgoing {
+                            message,
+                            group_id: job.group_key.clone().unwrap_or_else(|| job.id.to_string()),
+                            dedup_id: message.dedup_id(job.created_at),
+                        }
                     })
                     .collect()
             })

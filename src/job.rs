@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 /// Primary key of a row in `rowq.jobs`.
@@ -19,7 +20,7 @@ impl fmt::Display for JobId {
 
 /// Mirrors the Postgres enum `rowq.job_state`. The arrows of the state machine are the
 /// functions of [`crate::store`]; each variant says who moves a job in and out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, sqlx::Type)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, sqlx::Type)]
 #[sqlx(type_name = "rowq.job_state", rename_all = "lowercase")]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
@@ -152,8 +153,13 @@ impl JobMessage {
     }
 
     /// `MessageDeduplicationId`: one message per job generation, whoever sends it.
-    pub fn dedup_id(&self) -> String {
-        format!("{}-{}", self.job_id, self.dispatch_gen)
+    ///
+    /// The row's `created_at` (microseconds) is part of it because SQS drops, for five minutes,
+    /// any message whose dedup id it has seen: a job id used again — a recreated table, a
+    /// database restored from a backup, a second database on the same queue — would otherwise
+    /// have its messages silently dropped and wait for a rescue.
+    pub fn dedup_id(&self, created_at: DateTime<Utc>) -> String {
+        format!("{}-{}-{}", self.job_id, self.dispatch_gen, created_at.timestamp_micros())
     }
 }
 
@@ -204,10 +210,15 @@ mod tests {
     }
 
     #[test]
-    fn dedup_id_is_unique_per_job_generation() {
-        assert_eq!(JobMessage::new(JobId(42), 7).dedup_id(), "42-7");
-        assert_ne!(JobMessage::new(JobId(42), 8).dedup_id(), JobMessage::new(JobId(42), 7).dedup_id());
-        assert_ne!(JobMessage::new(JobId(4), 27).dedup_id(), JobMessage::new(JobId(42), 7).dedup_id());
+    fn dedup_id_is_unique_per_job_generation_and_per_row() {
+        let at = DateTime::from_timestamp_micros(1_764_490_000_123_456).unwrap();
+        let later = DateTime::from_timestamp_micros(1_764_490_000_123_457).unwrap();
+        assert_eq!(JobMessage::new(JobId(42), 7).dedup_id(at), "42-7-1764490000123456");
+        assert_ne!(JobMessage::new(JobId(42), 8).dedup_id(at), JobMessage::new(JobId(42), 7).dedup_id(at));
+        assert_ne!(JobMessage::new(JobId(4), 27).dedup_id(at), JobMessage::new(JobId(42), 7).dedup_id(at));
+        // The same id and generation of another row (a recreated table) is another message.
+        assert_ne!(JobMessage::new(JobId(42), 7).dedup_id(later), JobMessage::new(JobId(42), 7).dedup_id(at));
+        assert!(JobMessage::new(JobId(i64::MAX), i64::MAX).dedup_id(at).len() <= 128, "SQS allows 128 characters");
     }
 
     #[test]

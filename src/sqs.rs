@@ -17,11 +17,12 @@ use crate::job::JobMessage;
 /// SQS's limit on entries per `SendMessageBatch` / `DeleteMessageBatch` call.
 pub const MAX_BATCH: usize = 10;
 
-/// A job message and the FIFO group it goes to.
+/// A job message, the FIFO group it goes to, and its deduplication id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outgoing {
     pub message: JobMessage,
     pub group_id: String,
+    pub dedup_id: String,
 }
 
 /// One entry of a batch that SQS refused.
@@ -96,7 +97,7 @@ impl Publisher for SqsPublisher {
                     .id(index.to_string())
                     .message_body(outgoing.message.encode())
                     .message_group_id(&outgoing.group_id)
-                    .message_deduplication_id(outgoing.message.dedup_id())
+                    .message_deduplication_id(&outgoing.dedup_id)
                     .build()
                     .map_err(|e| SqsError::Request { operation: "SendMessageBatch", detail: e.to_string() })
             })

@@ -16,7 +16,12 @@ pub enum LogFormat {
 /// Installs the global subscriber. The level comes from `RUST_LOG` (default `info`).
 /// Calling it twice is harmless (the second call does nothing).
 pub fn init(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init_with_default(format, "info");
+}
+
+/// [`init`] with another level for when `RUST_LOG` is unset (`rowq demo` keeps quiet).
+pub fn init_with_default(format: LogFormat, default_filter: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -512,3 +512,25 @@ async fn claims_are_committed_before_anything_is_sent(pool: PgPool) {
         "rows not committed as dispatched during publish: {seen:?}"
     );
 }
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_job_id_used_again_after_the_table_is_recreated_is_not_dropped_by_sqs_deduplication(pool: PgPool) {
+    // SQS silently drops a message whose dedup id it saw in the last five minutes. Job ids
+    // come back after TRUNCATE ... RESTART IDENTITY or a restore from backup.
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+    let scheduler = Scheduler::new(
+        pool.clone(),
+        SqsPublisher::new(client.clone(), queues.queue_url.clone()),
+        common::scheduler_config(&queues.queue_url),
+    );
+    let first = common::enqueue(&pool, "noop", json!({})).await;
+    assert_eq!(scheduler.run_once().await.unwrap().published, 1);
+    sqlx::query("TRUNCATE rowq.jobs RESTART IDENTITY").execute(&pool).await.unwrap();
+    let again = common::enqueue(&pool, "noop", json!({})).await;
+    assert_eq!(first, again, "the identity did not restart");
+    assert_eq!(scheduler.run_once().await.unwrap().published, 1);
+
+    let received = common::drain_queue(&client, &queues.queue_url, Duration::from_secs(2)).await;
+    assert_eq!(received.len(), 2, "SQS dropped the second job as a duplicate of the first");
+}

@@ -96,7 +96,7 @@ async fn dispatch_and_run(pool: &PgPool, worker: &Worker) -> usize {
     scheduler.run_once().await.unwrap();
     let sent = scheduler.publisher().take();
     for outgoing in &sent {
-        let id = outgoing.message.dedup_id();
+        let id = outgoing.dedup_id.clone();
         let failed = deliver(worker, vec![record(&id, &outgoing.group_id, outgoing.message.encode())]).await;
         assert!(failed.is_empty(), "infrastructure failure on {id}");
     }

@@ -14,6 +14,8 @@ pub struct Claimed {
     pub id: JobId,
     pub dispatch_gen: i64,
     pub group_key: Option<String>,
+    /// Part of the message's deduplication id (see [`crate::JobMessage::dedup_id`]).
+    pub created_at: DateTime<Utc>,
 }
 
 /// `pending → dispatched` for up to `limit` due rows of `queue`: `dispatch_gen + 1`,
@@ -28,10 +30,8 @@ pub struct Claimed {
 /// A job with a `group_key` is claimable only while no earlier job of its group is
 /// unfinished: the group runs one at a time, in id order, even across retries.
 pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) -> Result<Vec<Claimed>, sqlx::Error> {
-    let mut claimed: Vec<(Claimed, i16, DateTime<Utc>)> = sqlx::query_as::<
-        _,
-        (JobId, i64, Option<String>, i16, DateTime<Utc>),
-    >(
+    type Row = (JobId, i64, Option<String>, DateTime<Utc>, i16, DateTime<Utc>);
+    let mut claimed: Vec<(Claimed, i16, DateTime<Utc>)> = sqlx::query_as::<_, Row>(
         r#"
         WITH due AS (
             SELECT j.id
@@ -55,7 +55,7 @@ pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) 
             updated_at = now()
         FROM due
         WHERE j.id = due.id
-        RETURNING j.id, j.dispatch_gen, j.group_key, j.priority, j.run_at
+        RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at
         "#,
     )
     .bind(queue)
@@ -64,7 +64,9 @@ pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) 
     .fetch_all(pool)
     .await?
     .into_iter()
-    .map(|(id, dispatch_gen, group_key, priority, run_at)| (Claimed { id, dispatch_gen, group_key }, priority, run_at))
+    .map(|(id, dispatch_gen, group_key, created_at, priority, run_at)| {
+        (Claimed { id, dispatch_gen, group_key, created_at }, priority, run_at)
+    })
     .collect();
     // RETURNING has no order of its own; publish in the order the claim chose.
     claimed.sort_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.id.cmp(&b.0.id)));

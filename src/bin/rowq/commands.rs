@@ -70,7 +70,7 @@ pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Re
     match command {
         Command::Queues { command: QueuesCommand::Create(args) } => return create_queues(&args, json).await,
         Command::Queues { command: QueuesCommand::Show(args) } => return show_queues(&args, json).await,
-        Command::Dev(_) => unreachable!("dev is dispatched in main"),
+        Command::Dev(_) | Command::Demo(_) => unreachable!("dev and demo are dispatched in main"),
         _ => {}
     }
     let pool = connect(database_url).await?;
@@ -100,7 +100,7 @@ pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Re
         Command::Stats => stats(&pool, json).await?,
         Command::Retry(args) => retry(&pool, args, json).await?,
         Command::Cancel { id } => cancel(&pool, id, json).await?,
-        Command::Queues { .. } | Command::Dev(_) => {}
+        Command::Queues { .. } | Command::Dev(_) | Command::Demo(_) => {}
     }
     Ok(())
 }
@@ -111,6 +111,24 @@ pub async fn connect(database_url: &str) -> anyhow::Result<PgPool> {
     }
     let config = DatabaseConfig { url: database_url.to_string(), pool_size: 4 };
     store::connect(&config).await.with_context(|| format!("cannot connect to {}", redact_url(database_url)))
+}
+
+/// `rowq dev` and `rowq demo` start from nothing: create the database when it does not exist.
+pub async fn create_database_if_missing(database_url: &str) -> anyhow::Result<()> {
+    use sqlx::migrate::MigrateDatabase;
+    if database_url.is_empty() {
+        return Ok(()); // `connect` says what is missing
+    }
+    let exists = sqlx::Postgres::database_exists(database_url)
+        .await
+        .with_context(|| format!("cannot connect to {}", redact_url(database_url)))?;
+    if !exists {
+        sqlx::Postgres::create_database(database_url)
+            .await
+            .with_context(|| format!("cannot create the database {}", redact_url(database_url)))?;
+        eprintln!("created database {}", redact_url(database_url));
+    }
+    Ok(())
 }
 
 async fn get(pool: &PgPool, id: i64) -> anyhow::Result<admin::JobRow> {

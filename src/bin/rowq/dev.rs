@@ -5,6 +5,7 @@ use clap::Args;
 use rowq::config::{self, Env, EventSourceConfig, SchedulerConfig, WorkerConfig};
 use rowq::pipeline::{Pipeline, PipelineConfig};
 use rowq::{Registry, Worker, sqs, store, telemetry};
+use sqlx::PgPool;
 
 use crate::QueueArgs;
 
@@ -21,8 +22,41 @@ pub struct DevArgs {
 /// transaction.
 const DEV_POOL_SIZE: u32 = 50;
 
+/// A pipeline started by [`start`].
+pub struct Running {
+    pub pool: PgPool,
+    pipeline: Pipeline,
+}
+
+impl Running {
+    pub async fn stop(self) {
+        let totals = self.pipeline.stop().await;
+        tracing::info!(published = totals.published, "stopped");
+    }
+}
+
 pub async fn run(database_url: &str, args: DevArgs) -> anyhow::Result<()> {
+    let running = start(database_url, &args, Vec::new(), Vec::new()).await?;
+    tracing::info!(
+        "rowq is running: INSERT INTO rowq.jobs (kind, payload) VALUES ('echo', '{{\"hello\":\"world\"}}'); Ctrl-C stops"
+    );
+    let mut shutdown = rowq::dispatch::shutdown_on_signals();
+    let _ = shutdown.wait_for(|stop| *stop).await;
+    tracing::info!("stopping: finishing the batches in flight");
+    running.stop().await;
+    Ok(())
+}
+
+/// Creates the database if it is missing, migrates, creates the queues and starts every piece.
+/// `overrides` and `defaults` adjust the settings read from the environment.
+pub async fn start(
+    database_url: &str,
+    args: &DevArgs,
+    mut overrides: Vec<(&'static str, String)>,
+    mut defaults: Vec<(&'static str, String)>,
+) -> anyhow::Result<Running> {
     telemetry::init(config::log_format());
+    crate::commands::create_database_if_missing(database_url).await?;
     let pool = crate::commands::connect(database_url).await?;
     store::migrate(&pool).await.context("migration failed")?;
     let client = sqs::client().await;
@@ -31,15 +65,14 @@ pub async fn run(database_url: &str, args: DevArgs) -> anyhow::Result<()> {
         .context("cannot create the queues (is the SQS endpoint up? `make localstack-up`)")?;
     tracing::info!(queue_url = %pair.queue_url, dlq_url = %pair.dlq_url, "queues ready");
 
-    let lookup = config::overlay(
-        vec![
-            ("DATABASE_URL", database_url.to_string()),
-            ("ROWQ_QUEUE_URL", pair.queue_url.clone()),
-            ("ROWQ_DLQ_URL", pair.dlq_url.clone()),
-            ("ROWQ_FUNCTION_TIMEOUT_SECS", args.queues.function_timeout.to_string()),
-        ],
-        vec![("ROWQ_DB_POOL_SIZE", DEV_POOL_SIZE.to_string())],
-    );
+    overrides.extend([
+        ("DATABASE_URL", database_url.to_string()),
+        ("ROWQ_QUEUE_URL", pair.queue_url.clone()),
+        ("ROWQ_DLQ_URL", pair.dlq_url.clone()),
+        ("ROWQ_FUNCTION_TIMEOUT_SECS", args.queues.function_timeout.to_string()),
+    ]);
+    defaults.push(("ROWQ_DB_POOL_SIZE", DEV_POOL_SIZE.to_string()));
+    let lookup = config::overlay(overrides, defaults);
     let env = Env::new(&lookup);
     let scheduler = SchedulerConfig::from(&env)?;
     let worker_config = WorkerConfig::from(&env)?;
@@ -47,14 +80,6 @@ pub async fn run(database_url: &str, args: DevArgs) -> anyhow::Result<()> {
     let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
     let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
     let config = PipelineConfig { scheduler, event_source, schedulers: args.schedulers };
-    let pipeline = Pipeline::start(pool, client, worker, config).await.context("cannot start the pipeline")?;
-    tracing::info!(
-        "rowq is running: INSERT INTO rowq.jobs (kind, payload) VALUES ('echo', '{{\"hello\":\"world\"}}'); Ctrl-C stops"
-    );
-    let mut shutdown = rowq::dispatch::shutdown_on_signals();
-    let _ = shutdown.wait_for(|stop| *stop).await;
-    tracing::info!("stopping: finishing the batches in flight");
-    let totals = pipeline.stop().await;
-    tracing::info!(published = totals.published, "stopped");
-    Ok(())
+    let pipeline = Pipeline::start(pool.clone(), client, worker, config).await.context("cannot start the pipeline")?;
+    Ok(Running { pool, pipeline })
 }

@@ -1,6 +1,7 @@
 //! The `rowq` command line: operate the queue without writing SQL.
 
 mod commands;
+mod demo;
 mod dev;
 
 use clap::{Args, Parser, Subcommand};
@@ -48,6 +49,9 @@ enum Command {
     /// Run the whole pipeline on this machine: migrations, queues, scheduler, worker and DLQ
     /// handler behind a local event source, until Ctrl-C.
     Dev(dev::DevArgs),
+    /// `dev` plus a mixed batch of demo jobs, live progress and a summary; exits 1 if any job
+    /// did not end in the state its kind implies.
+    Demo(demo::DemoArgs),
 }
 
 #[derive(Subcommand)]
@@ -76,6 +80,7 @@ async fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Dev(args) => dev::run(&cli.database_url, args).await,
+        Command::Demo(args) => demo::run(&cli.database_url, args).await,
         command => commands::run(&cli.database_url, cli.json, command).await,
     };
     if let Err(error) = result {
