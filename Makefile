@@ -1,13 +1,15 @@
 # rowq — every command a developer or CI needs. `make help` lists them.
 #
-# Postgres: DATABASE_URL (default: the server at 127.0.0.1:5432, database `test`).
+# Postgres: DATABASE_URL (tests default to the server at 127.0.0.1:5432, database `test`;
+# `make dev`/`make demo` find or start a server, see infra/dev/run.sh).
 # SQS: LocalStack on the host from PyPI, installed into .cache/ and started on demand
 # (infra/localstack/localstack.sh); AWS_ENDPOINT_URL points the AWS SDK at it.
 
 SHELL := /usr/bin/env bash
 .DEFAULT_GOAL := help
 
-export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
+# Tests create their own databases through this server (DATABASE_URL overrides it).
+TEST_DATABASE_URL ?= $(or $(DATABASE_URL),postgres://postgres@127.0.0.1:5432/test)
 export AWS_ENDPOINT_URL ?= http://127.0.0.1:4566
 export AWS_REGION ?= us-east-1
 export AWS_ACCESS_KEY_ID ?= test
@@ -30,7 +32,7 @@ help: ## list the targets
 test: ## lint, then every test against real Postgres and LocalStack (starts and stops LocalStack)
 	cargo fmt --all -- --check
 	cargo clippy --all-targets --locked -- -D warnings
-	$(LOCALSTACK) with cargo test --locked -- --test-threads=$(TEST_THREADS)
+	DATABASE_URL=$(TEST_DATABASE_URL) $(LOCALSTACK) with cargo test --locked -- --test-threads=$(TEST_THREADS)
 
 .PHONY: dev
 dev: ## run the whole pipeline on this machine until Ctrl-C (Postgres + LocalStack found or started)

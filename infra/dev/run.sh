@@ -56,16 +56,17 @@ as_pg() { # initdb and postgres refuse to run as root
   fi
 }
 
+# Sets `database` (not echoed: a subshell could not record that it started a server).
 choose_database() {
   if [ -n "${DATABASE_URL:-}" ]; then
     # shellcheck disable=SC2046
     if answers $(url_host_port "$DATABASE_URL"); then
-      echo "$DATABASE_URL"; return
+      database=$DATABASE_URL; return
     fi
     say "DATABASE_URL does not answer; looking for a local server"
   fi
   if answers 127.0.0.1 "$local_port"; then
-    echo "postgres://postgres@127.0.0.1:$local_port/rowq_dev"; return
+    database="postgres://postgres@127.0.0.1:$local_port/rowq_dev"; return
   fi
   local initdb pg_ctl
   initdb=$(pg_bin initdb) || true
@@ -85,10 +86,11 @@ choose_database() {
   as_pg "$pg_ctl" -D "$cache/pg/data" -l "$cache/pg/log" -w \
     -o "-p $throwaway_port -k $cache/pg -c listen_addresses=127.0.0.1" start >/dev/null
   started_pg=1
-  echo "postgres://postgres@127.0.0.1:$throwaway_port/rowq_dev"
+  database="postgres://postgres@127.0.0.1:$throwaway_port/rowq_dev"
 }
 
-database=$(choose_database)
+database=""
+choose_database
 say "database: $database"
 
 # shellcheck disable=SC2046

@@ -111,10 +111,12 @@ down() {
 }
 
 with() {
-  local started=0 status=0
-  if ! healthy; then up; started=1; fi
+  local status=0
+  if ! healthy; then
+    up
+    trap down EXIT # also on Ctrl-C or a failure of CMD
+  fi
   "$@" || status=$?
-  if [ "$started" = 1 ]; then down; fi
   return "$status"
 }
 

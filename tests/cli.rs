@@ -1,0 +1,201 @@
+//! The `rowq` binary end to end, as an operator uses it, against real Postgres and LocalStack.
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use rowq::config::EventSourceConfig;
+use rowq::pipeline::{Pipeline, PipelineConfig};
+use rowq::{Registry, Worker};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+/// The URL of the test's own database.
+fn database_url(pool: &PgPool) -> String {
+    let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let database = pool.connect_options().get_database().unwrap_or("test").to_string();
+    match base.rfind('/') {
+        Some(slash) => format!("{}/{database}", &base[..slash]),
+        None => base,
+    }
+}
+
+fn rowq(pool: &PgPool, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rowq"))
+        .args(["--database-url", &database_url(pool)])
+        .args(args)
+        .env("AWS_ENDPOINT_URL", common::endpoint())
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .output()
+        .expect("run rowq")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Runs `rowq ARGS --json`, expects success, and parses its output.
+fn json_of(pool: &PgPool, args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let output = rowq(pool, &all);
+    assert!(output.status.success(), "rowq {args:?} failed: {}", stderr(&output));
+    serde_json::from_str(&stdout(&output))
+        .unwrap_or_else(|e| panic!("rowq {args:?} --json is not JSON ({e}): {}", stdout(&output)))
+}
+
+/// Runs `rowq ARGS`, expects exit code 1 and one clear line on stderr.
+fn refusal(pool: &PgPool, args: &[&str]) -> String {
+    let output = rowq(pool, args);
+    assert_eq!(output.status.code(), Some(1), "rowq {args:?} should fail: {}", stdout(&output));
+    let message = stderr(&output);
+    assert_eq!(message.trim().lines().count(), 1, "not one line: {message}");
+    assert!(message.starts_with("rowq: "), "{message}");
+    message
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn enqueue_then_status_shows_the_job_succeeded_with_its_result(pool: PgPool) {
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let config = PipelineConfig {
+        scheduler: common::scheduler_config(&queues.queue_url),
+        event_source: EventSourceConfig {
+            queue_url: queues.queue_url.clone(),
+            dlq_url: None,
+            pollers: 2,
+            wait: Duration::from_secs(1),
+            function_timeout: Duration::from_secs(30),
+        },
+        schedulers: 1,
+    };
+    let worker = Worker::new(pool.clone(), Registry::builtin(), common::worker_config());
+    let pipeline = Pipeline::start(pool.clone(), client, worker, config).await.unwrap();
+
+    let enqueued = json_of(&pool, &["enqueue", "echo", r#"{"greeting":"hello"}"#, "--priority", "3"]);
+    assert_eq!(enqueued["enqueued"], json!(true));
+    let id = enqueued["id"].as_i64().unwrap().to_string();
+    let status = common::eventually(Duration::from_secs(30), "the job to succeed", || {
+        let status = json_of(&pool, &["status", &id]);
+        async move { (status["state"] == json!("succeeded")).then_some(status) }
+    })
+    .await;
+    pipeline.stop().await;
+    assert_eq!(status["result"], json!({"greeting": "hello"}));
+    assert_eq!(status["attempts"], json!(1));
+    assert_eq!(status["priority"], json!(3));
+
+    let text = stdout(&rowq(&pool, &["status", &id]));
+    assert!(text.contains("succeeded") && text.contains(r#"result        {"greeting":"hello"}"#), "{text}");
+    let listed = json_of(&pool, &["list", "--state", "succeeded"]);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    let stats = json_of(&pool, &["stats"]);
+    assert_eq!(stats["counts"][0]["state"], json!("succeeded"));
+    assert_eq!(stats["finished_last_minute"], json!(1));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn cancel_and_retry_move_jobs_and_refuse_clearly_when_they_cannot(pool: PgPool) {
+    let pending = json_of(&pool, &["enqueue", "noop", "--delay", "3600"])["id"].as_i64().unwrap().to_string();
+    let cancelled = json_of(&pool, &["cancel", &pending]);
+    assert_eq!(cancelled["state"], json!("cancelled"));
+    let message = refusal(&pool, &["cancel", &pending]);
+    assert!(message.contains(&format!("job {pending} is already cancelled")), "{message}");
+
+    let running = json_of(&pool, &["enqueue", "noop"])["id"].as_i64().unwrap().to_string();
+    sqlx::query("UPDATE rowq.jobs SET state = 'running', attempts = 1 WHERE id = $1")
+        .bind(running.parse::<i64>().unwrap())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let message = refusal(&pool, &["cancel", &running]);
+    assert!(message.contains("is running (attempt 1): it cannot be cancelled now"), "{message}");
+    let message = refusal(&pool, &["retry", &running]);
+    assert!(message.contains("is running: only failed jobs can be retried"), "{message}");
+
+    let failed = json_of(&pool, &["enqueue", "fail", "--dedup-key", "once"])["id"].as_i64().unwrap();
+    sqlx::query("UPDATE rowq.jobs SET state = 'failed', attempts = 5, finished_at = now() WHERE id = $1")
+        .bind(failed)
+        .execute(&pool)
+        .await
+        .unwrap();
+    // While another unfinished job holds its dedup key, the retry is refused.
+    json_of(&pool, &["enqueue", "fail", "--dedup-key", "once"]);
+    let message = refusal(&pool, &["retry", &failed.to_string()]);
+    assert!(message.contains("another unfinished job holds its dedup_key"), "{message}");
+    sqlx::query("DELETE FROM rowq.jobs WHERE dedup_key = 'once' AND id <> $1")
+        .bind(failed)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let retried = json_of(&pool, &["retry", &failed.to_string()]);
+    assert_eq!((retried["state"].clone(), retried["attempts"].clone()), (json!("pending"), json!(0)));
+
+    sqlx::query("UPDATE rowq.jobs SET state = 'failed', finished_at = now() WHERE id = $1")
+        .bind(failed)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let all = json_of(&pool, &["retry", "--all-failed"]);
+    assert_eq!(all["retried"], json!([failed]));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn bad_input_gets_one_clear_line_and_a_nonzero_exit(pool: PgPool) {
+    let message = refusal(&pool, &["enqueue", "noop", "{not json"]);
+    assert!(message.contains("PAYLOAD is not valid JSON"), "{message}");
+    let message = refusal(&pool, &["enqueue", "bad kind!"]);
+    assert!(message.contains("jobs_kind_is_a_nonempty_identifier"), "{message}");
+    let message = refusal(&pool, &["enqueue", "noop", "[1]"]);
+    assert!(message.contains("jobs_payload_is_a_json_object"), "{message}");
+    let message = refusal(&pool, &["status", "424242"]);
+    assert!(message.contains("job 424242 does not exist"), "{message}");
+
+    let output = Command::new(env!("CARGO_BIN_EXE_rowq"))
+        .args(["--database-url", "postgres://nobody:secret@127.0.0.1:1/nowhere", "stats"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let message = stderr(&output);
+    assert!(message.contains("cannot connect to postgres://nobody:***@127.0.0.1:1/nowhere"), "{message}");
+    assert!(!message.contains("secret"), "the password leaked: {message}");
+
+    let output = Command::new(env!("CARGO_BIN_EXE_rowq"))
+        .args(["queues", "create", "--name", "rowq-cli-test"])
+        .env("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr(&output).contains("cannot create the queues"), "{}", stderr(&output));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn queues_create_is_idempotent_and_prints_the_urls(pool: PgPool) {
+    let name = format!("rowq-cli-{}", std::process::id());
+    let first = json_of(&pool, &["queues", "create", "--name", &name]);
+    let second = json_of(&pool, &["queues", "create", "--name", &name, "--max-receive-count", "3"]);
+    assert_eq!(first["queue_url"], second["queue_url"]);
+    assert!(first["queue_url"].as_str().unwrap().ends_with(&format!("{name}.fifo")));
+    assert!(first["dlq_url"].as_str().unwrap().ends_with(&format!("{name}-dlq.fifo")));
+    let shown = json_of(&pool, &["queues", "show", "--name", &name]);
+    assert_eq!(shown[format!("{name}.fifo")]["visible"], json!(0));
+}
+
+#[test]
+fn every_subcommand_has_help() {
+    for sub in ["migrate", "enqueue", "status", "list", "stats", "retry", "cancel", "queues", "dev", "demo"] {
+        let output = Command::new(env!("CARGO_BIN_EXE_rowq")).args([sub, "--help"]).output().unwrap();
+        assert!(output.status.success(), "rowq {sub} --help failed");
+        assert!(stdout(&output).contains("Usage: rowq"), "rowq {sub} --help: {}", stdout(&output));
+    }
+}
