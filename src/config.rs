@@ -121,6 +121,11 @@ pub fn overlay(
     }
 }
 
+/// Whether this process was started by the Lambda service (its runtime API is set).
+pub fn on_lambda() -> bool {
+    process_env("AWS_LAMBDA_RUNTIME_API").is_some()
+}
+
 /// `ROWQ_LOG_FORMAT=json|text`; by default JSON on Lambda, text elsewhere.
 pub fn log_format() -> crate::telemetry::LogFormat {
     match process_env("ROWQ_LOG_FORMAT").as_deref() {
@@ -134,13 +139,32 @@ pub fn log_format() -> crate::telemetry::LogFormat {
 /// Postgres connection settings shared by every binary.
 #[derive(Debug, Clone)]
 pub struct DatabaseConfig {
+    /// Empty until [`crate::secret::resolve`] fills it when `secret_arn` is set.
     pub url: String,
     pub pool_size: u32,
+    /// `ROWQ_DATABASE_SECRET_ARN`: read the URL from Secrets Manager at start instead.
+    pub secret_arn: Option<String>,
 }
 
 impl DatabaseConfig {
     pub fn from(env: &Env<'_>, default_pool: u32) -> Result<Self, ConfigError> {
-        let url = env.required("DATABASE_URL", "set it to postgres://user:password@host:5432/dbname")?;
+        let pool_size = env.number("ROWQ_DB_POOL_SIZE", default_pool, 1..=200)?;
+        if env.optional("DATABASE_URL").is_none()
+            && let Some(arn) = env.optional("ROWQ_DATABASE_SECRET_ARN")
+        {
+            if !arn.starts_with("arn:") {
+                return Err(ConfigError::Invalid {
+                    name: "ROWQ_DATABASE_SECRET_ARN",
+                    value: arn,
+                    reason: "must be a Secrets Manager secret ARN (arn:aws:secretsmanager:...)".into(),
+                });
+            }
+            return Ok(DatabaseConfig { url: String::new(), pool_size, secret_arn: Some(arn) });
+        }
+        let url = env.required(
+            "DATABASE_URL",
+            "set it to postgres://user:password@host:5432/dbname, or set ROWQ_DATABASE_SECRET_ARN",
+        )?;
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(ConfigError::Invalid {
                 name: "DATABASE_URL",
@@ -148,7 +172,7 @@ impl DatabaseConfig {
                 reason: "must start with postgres:// or postgresql://".into(),
             });
         }
-        Ok(DatabaseConfig { url, pool_size: env.number("ROWQ_DB_POOL_SIZE", default_pool, 1..=200)? })
+        Ok(DatabaseConfig { url, pool_size, secret_arn: None })
     }
 }
 
@@ -370,6 +394,15 @@ mod tests {
         assert!(matches!(error, ConfigError::Invalid { name: "DATABASE_URL", .. }));
         let error = scheduler(&[DB, QUEUE, ("ROWQ_QUEUE", "no spaces")]).unwrap_err();
         assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_QUEUE", .. }));
+    }
+
+    #[test]
+    fn a_secret_arn_stands_in_for_the_database_url() {
+        let arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:rowq-db-AbCdEf";
+        let config = scheduler(&[("ROWQ_DATABASE_SECRET_ARN", arn), QUEUE]).unwrap();
+        assert_eq!(config.database.secret_arn.as_deref(), Some(arn));
+        let error = scheduler(&[("ROWQ_DATABASE_SECRET_ARN", "rowq-db"), QUEUE]).unwrap_err();
+        assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_DATABASE_SECRET_ARN", .. }));
     }
 
     #[test]

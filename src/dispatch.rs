@@ -197,10 +197,20 @@ impl<P: Publisher> Scheduler<P> {
         (batch, self.publisher.send_batch(batch).await)
     }
 
-    /// Runs until `shutdown` turns `true`, the drain budget is spent, or (with `once`) nothing
-    /// more is due. A pass in progress always completes before it returns.
-    pub async fn run(&self, mut shutdown: watch::Receiver<bool>, once: bool) -> RunTotals {
-        let started = Instant::now();
+    /// Runs until `shutdown` turns `true`, the drain budget (`ROWQ_DRAIN_SECS`) is spent, or
+    /// (with `once`) nothing more is due. A pass in progress always completes before it returns.
+    pub async fn run(&self, shutdown: watch::Receiver<bool>, once: bool) -> RunTotals {
+        let stop_at = self.config.drain_for.map(|budget| Instant::now() + budget);
+        self.run_until(shutdown, once, stop_at).await
+    }
+
+    /// [`Scheduler::run`] with an explicit end: a scheduled Lambda drains until its deadline.
+    pub async fn run_until(
+        &self,
+        mut shutdown: watch::Receiver<bool>,
+        once: bool,
+        stop_at: Option<Instant>,
+    ) -> RunTotals {
         let mut totals = RunTotals::default();
         let mut listener: Option<PgListener> = None;
         let mut next_maintenance = Instant::now();
@@ -209,7 +219,7 @@ impl<P: Publisher> Scheduler<P> {
             if *shutdown.borrow() {
                 break StopReason::Shutdown;
             }
-            let budget_left = self.config.drain_for.map(|budget| budget.saturating_sub(started.elapsed()));
+            let budget_left = stop_at.map(|at| at.saturating_duration_since(Instant::now()));
             if budget_left == Some(Duration::ZERO) {
                 break StopReason::DrainBudgetSpent;
             }
@@ -325,6 +335,32 @@ async fn recv(listener: &mut Option<PgListener>) -> Result<bool, sqlx::Error> {
         Some(listener) => Ok(listener.try_recv().await?.is_some()),
         None => std::future::pending().await,
     }
+}
+
+/// Time kept free before a scheduled invocation's deadline to finish the pass in flight.
+pub const LAMBDA_DRAIN_MARGIN: Duration = Duration::from_secs(5);
+
+/// Runs the scheduler as a Lambda on an EventBridge schedule: each invocation drains for
+/// `ROWQ_DRAIN_SECS` (or until its deadline less [`LAMBDA_DRAIN_MARGIN`]), then returns the totals.
+pub async fn run_lambda<P: Publisher + 'static>(scheduler: Scheduler<P>) -> Result<(), lambda_runtime::Error> {
+    let scheduler = std::sync::Arc::new(scheduler);
+    lambda_runtime::run(lambda_runtime::service_fn(move |event: lambda_runtime::LambdaEvent<serde_json::Value>| {
+        let scheduler = scheduler.clone();
+        async move {
+            let deadline = crate::worker::deadline_from_epoch_millis(event.context.deadline);
+            let mut stop_at = deadline.checked_sub(LAMBDA_DRAIN_MARGIN).unwrap_or(deadline);
+            if let Some(budget) = scheduler.config.drain_for {
+                stop_at = stop_at.min(Instant::now() + budget);
+            }
+            let (_keep, shutdown) = watch::channel(false);
+            let totals = scheduler.run_until(shutdown, false, Some(stop_at)).await;
+            Ok::<_, lambda_runtime::Error>(serde_json::json!({
+                "passes": totals.passes, "claimed": totals.claimed,
+                "published": totals.published, "released": totals.released,
+            }))
+        }
+    }))
+    .await
 }
 
 /// A receiver that turns `true` on the first SIGTERM or SIGINT (Ctrl-C).

@@ -29,6 +29,7 @@
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished rows.
 //! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
 //! - [`config`]: one struct per binary, from the environment.
+//! - [`secret`]: the database URL from Secrets Manager at cold start.
 //! - [`telemetry`]: tracing set-up and field names.
 //!
 //! The binaries in `src/bin/` only wire these together: `scheduler`, `worker`, `dlq-handler`
@@ -42,6 +43,7 @@ pub mod handlers;
 pub mod job;
 pub mod maintenance;
 pub mod pipeline;
+pub mod secret;
 pub mod sqs;
 pub mod store;
 pub mod telemetry;

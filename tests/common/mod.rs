@@ -130,6 +130,7 @@ fn database_config() -> DatabaseConfig {
     DatabaseConfig {
         url: std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
         pool_size: 4,
+        secret_arn: None,
     }
 }
 
