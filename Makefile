@@ -10,10 +10,9 @@ SHELL := /usr/bin/env bash
 
 # Tests create their own databases through this server (DATABASE_URL overrides it).
 TEST_DATABASE_URL ?= $(or $(DATABASE_URL),postgres://postgres@127.0.0.1:5432/test)
-export AWS_ENDPOINT_URL ?= http://127.0.0.1:4566
-export AWS_REGION ?= us-east-1
-export AWS_ACCESS_KEY_ID ?= test
-export AWS_SECRET_ACCESS_KEY ?= test
+# Local SQS (LocalStack) for tests; deploy targets use your real AWS settings instead.
+LOCAL_AWS := AWS_ENDPOINT_URL=http://127.0.0.1:4566 AWS_REGION=us-east-1 AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test
+AWS_REGION ?= us-east-1
 export CARGO_TERM_COLOR ?= never
 
 LOCALSTACK := infra/localstack/localstack.sh
@@ -32,7 +31,7 @@ help: ## list the targets
 test: ## lint, then every test against real Postgres and LocalStack (starts and stops LocalStack)
 	cargo fmt --all -- --check
 	cargo clippy --all-targets --locked -- -D warnings
-	DATABASE_URL=$(TEST_DATABASE_URL) $(LOCALSTACK) with cargo test --locked -- --test-threads=$(TEST_THREADS)
+	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) $(LOCALSTACK) with cargo test --locked -- --test-threads=$(TEST_THREADS)
 
 .PHONY: dev
 dev: ## run the whole pipeline on this machine until Ctrl-C (Postgres + LocalStack found or started)
@@ -73,6 +72,69 @@ lambda-watch: tools ## serve the worker on the local Lambda runtime emulator (12
 .PHONY: lambda-invoke
 lambda-invoke: tools ## invoke the watched worker with the committed FIFO fixture event
 	cargo lambda invoke worker -A 127.0.0.1 -P 9000 --data-file tests/fixtures/fifo-job-event.json
+
+# ---- deploy --------------------------------------------------------------------------------
+# aws-sam-cli and cfn-lint from PyPI, in a cached virtualenv (no Docker, no credentials needed
+# to build or validate).
+DEPLOY_TOOLS := $(CURDIR)/.cache/deploy-venv
+SAM_CLI_VERSION := 1.170.0
+CFN_LINT_VERSION := 1.58.0
+export SAM_CLI_TELEMETRY := 0
+LAMBDA_TARGET := aarch64-unknown-linux-gnu
+FUNCTIONS := worker dlq-handler scheduler
+
+$(DEPLOY_TOOLS)/.installed-$(SAM_CLI_VERSION)-$(CFN_LINT_VERSION):
+	python3 -m venv $(DEPLOY_TOOLS)
+	$(DEPLOY_TOOLS)/bin/pip install --quiet --disable-pip-version-check aws-sam-cli==$(SAM_CLI_VERSION) cfn-lint==$(CFN_LINT_VERSION)
+	touch $@
+
+.PHONY: deploy-tools
+deploy-tools: $(DEPLOY_TOOLS)/.installed-$(SAM_CLI_VERSION)-$(CFN_LINT_VERSION)
+
+.PHONY: validate
+validate: deploy-tools ## lint template.yaml with cfn-lint and `sam validate --lint` (offline)
+	$(DEPLOY_TOOLS)/bin/cfn-lint template.yaml
+	AWS_DEFAULT_REGION=$(AWS_REGION) $(DEPLOY_TOOLS)/bin/sam validate --lint --template template.yaml
+
+.PHONY: lambda-target
+lambda-target:
+	@rustup target list --installed | grep -qx $(LAMBDA_TARGET) || rustup target add $(LAMBDA_TARGET)
+
+.PHONY: build
+build: tools lambda-target ## cargo lambda build --release --arm64 of the three functions (target/lambda/*/bootstrap)
+	cargo lambda build --release --arm64 --locked $(addprefix --bin ,$(FUNCTIONS))
+
+.PHONY: build-worker
+build-worker: tools lambda-target ## the worker alone, as CI checks it
+	cargo lambda build --release --arm64 --locked --bin worker
+
+.PHONY: sam-build
+sam-build: tools deploy-tools lambda-target ## sam build (uses the local cargo-lambda, no Docker)
+	$(DEPLOY_TOOLS)/bin/sam build --template template.yaml
+
+.PHONY: deploy
+deploy: aws-credentials sam-build ## sam build && sam deploy (samconfig.toml; `sam deploy --guided` the first time)
+	$(DEPLOY_TOOLS)/bin/sam deploy
+
+# The cargo-lambda path: deploys each function from target/lambda without CloudFormation. The
+# queues, roles and event sources come from the stack (or your own IaC): pass the role ARNs.
+WORKER_ROLE_ARN ?=
+DLQ_HANDLER_ROLE_ARN ?=
+SCHEDULER_ROLE_ARN ?=
+.PHONY: deploy-lambda
+deploy-lambda: aws-credentials build ## cargo lambda deploy of the three functions (WORKER_ROLE_ARN=... etc.)
+	@for f in WORKER_ROLE_ARN DLQ_HANDLER_ROLE_ARN SCHEDULER_ROLE_ARN; do \
+	  [ -n "$${!f}" ] || { echo "deploy-lambda: set $$f (the role from template.yaml's stack, or your own)" >&2; exit 1; }; done
+	cargo lambda deploy --iam-role $(WORKER_ROLE_ARN) --timeout 60 worker
+	cargo lambda deploy --iam-role $(DLQ_HANDLER_ROLE_ARN) --timeout 30 dlq-handler
+	cargo lambda deploy --iam-role $(SCHEDULER_ROLE_ARN) --timeout 60 scheduler
+
+.PHONY: aws-credentials
+aws-credentials:
+	@if [ -z "$${AWS_PROFILE:-}$${AWS_ACCESS_KEY_ID:-}" ] && [ ! -f "$${HOME}/.aws/credentials" ] && [ ! -f "$${HOME}/.aws/config" ]; then \
+	  echo "this target deploys to AWS and needs credentials: set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" >&2; exit 1; fi
+	@if [ "$${AWS_ACCESS_KEY_ID:-}" = "test" ]; then \
+	  echo "AWS_ACCESS_KEY_ID=test is LocalStack's: deploy with samlocal against LocalStack in Docker (infra/README.md), or use real credentials" >&2; exit 1; fi
 
 .PHONY: clean
 clean: ## remove build output and the cached LocalStack virtualenv

@@ -338,7 +338,7 @@ async fn recv(listener: &mut Option<PgListener>) -> Result<bool, sqlx::Error> {
 }
 
 /// Time kept free before a scheduled invocation's deadline to finish the pass in flight.
-pub const LAMBDA_DRAIN_MARGIN: Duration = Duration::from_secs(5);
+pub const LAMBDA_DRAIN_MARGIN: Duration = Duration::from_secs(10);
 
 /// Runs the scheduler as a Lambda on an EventBridge schedule: each invocation drains for
 /// `ROWQ_DRAIN_SECS` (or until its deadline less [`LAMBDA_DRAIN_MARGIN`]), then returns the totals.
