@@ -44,6 +44,13 @@ demo: ## dev plus a mixed batch of demo jobs, live progress and a summary (DEMO_
 	cargo build --locked --bin rowq
 	infra/dev/run.sh demo --jobs $(DEMO_JOBS)
 
+CHAOS_JOBS ?= 5000
+CHAOS_SECONDS ?= 60
+.PHONY: chaos
+chaos: ## the fault-injection run at full size (CHAOS_JOBS=5000 CHAOS_SECONDS=60; make test runs a small one)
+	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) CHAOS_JOBS=$(CHAOS_JOBS) CHAOS_SECONDS=$(CHAOS_SECONDS) \
+	  $(LOCALSTACK) with cargo test --locked --test chaos
+
 .PHONY: check
 check: ## fmt + clippy only
 	cargo fmt --all -- --check

@@ -141,7 +141,7 @@ impl<P: Publisher> Scheduler<P> {
                         let message = JobMessage::new(job.id, job.dispatch_gen);
                         Outgoing {
                             message,
-                            group_id: job.group_key.clone().unwrap_or_else(|| job.id.to_string()),
+                            group_id: job.group_key.clone().unwrap_or_else(|| message.dedup_id(job.created_at)),
                             dedup_id: message.dedup_id(job.created_at),
                         }
                     })

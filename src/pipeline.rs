@@ -20,7 +20,7 @@ use crate::worker::Worker;
 pub struct PipelineConfig {
     pub scheduler: SchedulerConfig,
     pub event_source: EventSourceConfig,
-    /// Scheduler instances (they share the claim safely).
+    /// Scheduler instances (they share the claim safely); 0 runs only the consumers.
     pub schedulers: usize,
 }
 
@@ -37,7 +37,7 @@ impl Pipeline {
     pub async fn start(pool: PgPool, client: Client, worker: Worker, config: PipelineConfig) -> Result<Self, SqsError> {
         let (stop, shutdown) = watch::channel(false);
         let mut tasks = tokio::task::JoinSet::new();
-        for _ in 0..config.schedulers.max(1) {
+        for _ in 0..config.schedulers {
             let scheduler = Scheduler::new(
                 pool.clone(),
                 SqsPublisher::new(client.clone(), config.scheduler.queue_url.clone()),
