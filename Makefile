@@ -44,6 +44,11 @@ demo: ## dev plus a mixed batch of demo jobs, live progress and a summary (DEMO_
 	cargo build --locked --bin rowq
 	infra/dev/run.sh demo --jobs $(DEMO_JOBS)
 
+BENCH_N ?= 20000
+.PHONY: bench
+bench: ## the benchmark suite (BENCH_N=20000): JSON lines on stdout, a table and the target ratios on stderr
+	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=$(BENCH_N) $(LOCALSTACK) with cargo bench --locked --bench bench
+
 CHAOS_JOBS ?= 5000
 CHAOS_SECONDS ?= 60
 .PHONY: chaos

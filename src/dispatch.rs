@@ -87,19 +87,22 @@ impl<P: Publisher> Scheduler<P> {
     pub async fn run_once(&self) -> Result<DispatchReport, DispatchError> {
         let queue = &self.config.queue;
         let db_error = |action| move |source| DispatchError::Database { action, queue: queue.clone(), source };
-        let in_flight =
-            store::dispatch::in_flight(&self.pool, queue).await.map_err(db_error("count in-flight jobs"))?;
-        let room = i64::from(self.config.max_in_flight) - in_flight;
-        let limit = room.clamp(0, i64::from(self.config.claim_batch)) as u32;
-        let mut report = DispatchReport { capped: limit < self.config.claim_batch, ..DispatchReport::default() };
-        if limit == 0 {
-            return Ok(report);
-        }
-        let claimed = store::dispatch::claim_due(&self.pool, queue, limit, self.config.dispatch_lease)
+        let (batch, cap) = (self.config.claim_batch, self.config.max_in_flight);
+        let claimed = store::dispatch::claim_due_within(&self.pool, queue, batch, cap, self.config.dispatch_lease)
             .await
             .map_err(db_error("claim due jobs"))?;
-        report.claimed = claimed.len();
-        report.full = claimed.len() == limit as usize;
+        let mut report = DispatchReport {
+            claimed: claimed.len(),
+            full: claimed.len() == batch as usize,
+            ..DispatchReport::default()
+        };
+        if !report.full {
+            // Fewer than a batch: nothing more is due, or the cap held the claim back. Only
+            // here is the in-flight count worth a round trip of its own.
+            let in_flight =
+                store::dispatch::in_flight(&self.pool, queue).await.map_err(db_error("count in-flight jobs"))?;
+            report.capped = in_flight >= i64::from(cap);
+        }
         for job in &claimed {
             tracing::info!(
                 job.id = job.id.0,

@@ -2,7 +2,7 @@
 //! one, [`MemoryPublisher`] keeps them in memory for tests and benchmarks (and can be told to
 //! fail). Also the client set-up and the idempotent creation of the FIFO queue and its DLQ.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,6 +74,14 @@ pub trait Publisher: Send + Sync {
     fn send_batch(&self, batch: &[Outgoing]) -> impl Future<Output = Result<Vec<EntryFailure>, SqsError>> + Send;
 }
 
+/// A shared publisher publishes like the one it shares (the scheduler owns its publisher;
+/// benchmarks keep a handle on the in-memory one to consume from it).
+impl<P: Publisher> Publisher for std::sync::Arc<P> {
+    fn send_batch(&self, batch: &[Outgoing]) -> impl Future<Output = Result<Vec<EntryFailure>, SqsError>> + Send {
+        self.as_ref().send_batch(batch)
+    }
+}
+
 /// The real publisher: `SendMessageBatch` on a FIFO queue.
 #[derive(Debug, Clone)]
 pub struct SqsPublisher {
@@ -121,11 +129,12 @@ impl Publisher for SqsPublisher {
     }
 }
 
-/// Keeps sent messages in memory. For tests and the in-memory benchmark transport.
+/// Keeps sent messages in memory, in order. For tests and the in-memory benchmark transport.
 #[derive(Debug, Default)]
 pub struct MemoryPublisher {
-    sent: Mutex<Vec<Outgoing>>,
+    sent: Mutex<VecDeque<Outgoing>>,
     failing: AtomicBool,
+    arrived: tokio::sync::Notify,
 }
 
 impl MemoryPublisher {
@@ -140,7 +149,25 @@ impl MemoryPublisher {
 
     /// Takes every message sent so far.
     pub fn take(&self) -> Vec<Outgoing> {
-        std::mem::take(&mut *self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+        self.take_up_to(usize::MAX)
+    }
+
+    /// Takes the oldest `max` messages at most.
+    pub fn take_up_to(&self, max: usize) -> Vec<Outgoing> {
+        let mut sent = self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let n = max.min(sent.len());
+        sent.drain(..n).collect()
+    }
+
+    /// Waits up to `wait` for messages, then takes the oldest `max` (like a long poll).
+    pub async fn receive(&self, max: usize, wait: Duration) -> Vec<Outgoing> {
+        let arrived = self.arrived.notified();
+        let batch = self.take_up_to(max);
+        if !batch.is_empty() {
+            return batch;
+        }
+        let _ = tokio::time::timeout(wait, arrived).await;
+        self.take_up_to(max)
     }
 }
 
@@ -153,7 +180,8 @@ impl Publisher for MemoryPublisher {
                 detail: "the in-memory queue is set to fail".into(),
             });
         }
-        self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend_from_slice(batch);
+        self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(batch.iter().cloned());
+        self.arrived.notify_waiters();
         Ok(Vec::new())
     }
 }

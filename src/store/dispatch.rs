@@ -30,10 +30,25 @@ pub struct Claimed {
 /// A job with a `group_key` is claimable only while no earlier job of its group is
 /// unfinished: the group runs one at a time, in id order, even across retries.
 pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) -> Result<Vec<Claimed>, sqlx::Error> {
+    claim_due_within(pool, queue, limit, u32::MAX, lease).await
+}
+
+/// [`claim_due`], taking no more rows than leave fewer than `max_in_flight` rows of the queue
+/// `dispatched` (backpressure), counted in the same statement: one round trip per claim.
+pub async fn claim_due_within(
+    pool: &PgPool,
+    queue: &str,
+    limit: u32,
+    max_in_flight: u32,
+    lease: Duration,
+) -> Result<Vec<Claimed>, sqlx::Error> {
     type Row = (JobId, i64, Option<String>, DateTime<Utc>, i16, DateTime<Utc>);
     let mut claimed: Vec<(Claimed, i16, DateTime<Utc>)> = sqlx::query_as::<_, Row>(
         r#"
-        WITH due AS (
+        WITH in_flight AS (
+            SELECT count(*) AS n FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
+        ),
+        due AS (
             SELECT j.id
             FROM rowq.jobs j
             WHERE j.state = 'pending'
@@ -45,7 +60,7 @@ pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) 
                       AND earlier.id < j.id
                       AND earlier.state IN ('pending', 'dispatched', 'running')))
             ORDER BY j.priority DESC, j.run_at, j.id
-            LIMIT $2
+            LIMIT least($2, greatest(0, $4 - (SELECT n FROM in_flight)))
             FOR UPDATE SKIP LOCKED
         )
         UPDATE rowq.jobs j
@@ -61,6 +76,7 @@ pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) 
     .bind(queue)
     .bind(i64::from(limit))
     .bind(millis(lease))
+    .bind(i64::from(max_in_flight))
     .fetch_all(pool)
     .await?
     .into_iter()

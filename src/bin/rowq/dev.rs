@@ -47,6 +47,32 @@ pub async fn run(database_url: &str, args: DevArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `rowq work`: the consumers only, on the queues named by ROWQ_QUEUE_URL / ROWQ_DLQ_URL.
+pub async fn work(database_url: &str) -> anyhow::Result<()> {
+    telemetry::init(config::log_format());
+    let lookup = config::overlay(
+        vec![("DATABASE_URL", database_url.to_string())],
+        vec![("ROWQ_DB_POOL_SIZE", DEV_POOL_SIZE.to_string())],
+    );
+    let env = Env::new(&lookup);
+    let worker_config = WorkerConfig::from(&env)?;
+    let event_source = EventSourceConfig::from(&env)?;
+    let pool = crate::commands::connect(database_url).await?;
+    let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
+    let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
+    // No scheduler runs here; the scheduler settings are only carried along.
+    let scheduler = SchedulerConfig::from(&env)?;
+    let config = PipelineConfig { scheduler, event_source, schedulers: 0 };
+    let pipeline = Pipeline::start(pool.clone(), sqs::client().await, worker, config)
+        .await
+        .context("cannot start the consumers")?;
+    let running = Running { pool, pipeline };
+    let mut shutdown = rowq::dispatch::shutdown_on_signals();
+    let _ = shutdown.wait_for(|stop| *stop).await;
+    running.stop().await;
+    Ok(())
+}
+
 /// Creates the database if it is missing, migrates, creates the queues and starts every piece.
 /// `overrides` and `defaults` adjust the settings read from the environment.
 pub async fn start(

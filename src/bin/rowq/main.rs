@@ -49,6 +49,9 @@ enum Command {
     /// Run the whole pipeline on this machine: migrations, queues, scheduler, worker and DLQ
     /// handler behind a local event source, until Ctrl-C.
     Dev(dev::DevArgs),
+    /// Run the worker and the DLQ handler behind the local event source, without a scheduler:
+    /// a worker fleet outside Lambda (ECS, EC2, a laptop). Needs ROWQ_QUEUE_URL.
+    Work,
     /// `dev` plus a mixed batch of demo jobs, live progress and a summary; exits 1 if any job
     /// did not end in the state its kind implies.
     Demo(demo::DemoArgs),
@@ -80,6 +83,7 @@ async fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Dev(args) => dev::run(&cli.database_url, args).await,
+        Command::Work => dev::work(&cli.database_url).await,
         Command::Demo(args) => demo::run(&cli.database_url, args).await,
         command => commands::run(&cli.database_url, cli.json, command).await,
     };

@@ -1,0 +1,641 @@
+//! `make bench`: rowq's throughput and latency next to what Postgres and LocalStack do on their
+//! own, measured in the same run on the same machine. One JSON line per workload, then a table
+//! and the target ratios.
+//!
+//! Settings: BENCH_N (backlog, 20000), BENCH_C (connections / pollers, 8), BENCH_LATENCY_N
+//! (1000), BENCH_RATE (inserts per second for latency, 100).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
+use rowq::config::EventSourceConfig;
+use rowq::pipeline::{Pipeline, PipelineConfig};
+use rowq::sqs::{MemoryPublisher, SqsPublisher};
+use rowq::{JobState, Registry, Scheduler, Worker};
+use serde_json::{Value, json};
+use sqlx::migrate::MigrateDatabase;
+use sqlx::postgres::{PgListener, PgPoolOptions};
+use sqlx::{PgPool, Postgres};
+use tokio::process::Command;
+use tokio::sync::watch;
+
+type Error = Box<dyn std::error::Error>;
+
+struct Settings {
+    n: i64,
+    c: usize,
+    latency_n: usize,
+    rate: f64,
+    base_url: String,
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    if let Err(error) = runtime.block_on(run()) {
+        eprintln!("bench: {error}");
+        std::process::exit(1);
+    }
+}
+
+async fn run() -> Result<(), Error> {
+    let number = |name: &str, default: f64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let settings = Settings {
+        n: number("BENCH_N", 20_000.0) as i64,
+        c: number("BENCH_C", 8.0) as usize,
+        latency_n: number("BENCH_LATENCY_N", 1000.0) as usize,
+        rate: number("BENCH_RATE", 100.0),
+        base_url: std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+    };
+    eprintln!(
+        "bench: N={} C={} latency {} jobs at {}/s; {} cores",
+        settings.n,
+        settings.c,
+        settings.latency_n,
+        settings.rate,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let mut results: Vec<Value> = Vec::new();
+    let mut emit = |value: Value| {
+        println!("{value}");
+        results.push(value);
+    };
+
+    emit(enqueue(&settings).await?);
+    emit(sql_floor(&settings).await?);
+    emit(dispatch_memory(&settings).await?);
+    emit(drain_memory(&settings).await?);
+    emit(latency_floor(&settings).await?);
+    emit(latency_memory(&settings).await?);
+    emit(raw_localstack(&settings).await?);
+    emit(dispatch_localstack(&settings).await?);
+    emit(drain_localstack(&settings).await?);
+    emit(latency_localstack(&settings).await?);
+
+    report(&results);
+    Ok(())
+}
+
+// ---- helpers ------------------------------------------------------------------------------
+
+/// A fresh, migrated database for one workload; dropped by [`drop_database`].
+async fn database(settings: &Settings, name: &str) -> Result<(PgPool, String), Error> {
+    let base = &settings.base_url[..settings.base_url.rfind('/').unwrap_or(settings.base_url.len())];
+    let url = format!("{base}/rowq_bench_{}_{name}", std::process::id());
+    let _ = Postgres::force_drop_database(&url).await;
+    Postgres::create_database(&url).await?;
+    let pool = PgPoolOptions::new().max_connections(settings.c as u32 * 2 + 8).connect(&url).await?;
+    rowq::store::migrate(&pool).await?;
+    Ok((pool, url))
+}
+
+async fn drop_database(pool: PgPool, url: &str) {
+    pool.close().await;
+    let _ = Postgres::force_drop_database(url).await;
+}
+
+async fn backlog(pool: &PgPool, n: i64) -> Result<(), Error> {
+    sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'noop' FROM generate_series(1, $1)").bind(n).execute(pool).await?;
+    sqlx::query("VACUUM ANALYZE rowq.jobs").execute(pool).await?;
+    Ok(())
+}
+
+async fn wait_until_succeeded(pool: &PgPool, n: i64, limit: Duration) -> Result<(), Error> {
+    let started = Instant::now();
+    loop {
+        let done: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE state = 'succeeded'").fetch_one(pool).await?;
+        if done >= n {
+            return Ok(());
+        }
+        if started.elapsed() > limit {
+            return Err(format!("only {done} of {n} jobs succeeded within {limit:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn scheduler_config(settings: &Settings, url: &str, queue_url: &str) -> rowq::config::SchedulerConfig {
+    let mut config = common::scheduler_config(queue_url);
+    config.database.url = url.to_string();
+    config.max_in_flight = 1000;
+    config.poll_interval = Duration::from_millis(500);
+    config.busy_poll = Duration::from_millis(2);
+    config.maintenance_interval = Duration::from_secs(60);
+    config.publish_concurrency = settings.c;
+    config
+}
+
+fn worker(pool: &PgPool) -> Worker {
+    Worker::new(pool.clone(), Registry::builtin(), common::worker_config())
+}
+
+fn rate(n: f64, elapsed: Duration) -> f64 {
+    (n / elapsed.as_secs_f64()).round()
+}
+
+/// p50, p99 and max of insert→start (ms), from the rows.
+async fn start_latencies(pool: &PgPool) -> Result<(f64, f64, f64), Error> {
+    let mut ms: Vec<f64> =
+        sqlx::query_scalar("SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM rowq.jobs")
+            .fetch_all(pool)
+            .await?;
+    Ok(percentiles(&mut ms))
+}
+
+fn percentiles(ms: &mut [f64]) -> (f64, f64, f64) {
+    ms.sort_by(f64::total_cmp);
+    let at = |p: f64| ms.get(((ms.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(f64::NAN);
+    let round = |x: f64| (x * 100.0).round() / 100.0;
+    (round(at(0.5)), round(at(0.99)), round(at(1.0)))
+}
+
+/// Inserts `n` jobs one per transaction at `per_second`, from one connection.
+async fn trickle(pool: &PgPool, n: usize, per_second: f64) -> Result<(), Error> {
+    let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / per_second));
+    for _ in 0..n {
+        ticks.tick().await;
+        sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(pool).await?;
+    }
+    Ok(())
+}
+
+/// In-memory consumers: what the event source does, with the MemoryPublisher as the queue.
+fn memory_consumers(
+    publisher: Arc<Scheduler<Arc<MemoryPublisher>>>,
+    worker: Arc<Worker>,
+    c: usize,
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..c)
+        .map(|_| {
+            let (scheduler, worker, stop) = (publisher.clone(), worker.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let batch = scheduler.publisher().receive(10, Duration::from_millis(50)).await;
+                    if batch.is_empty() {
+                        continue;
+                    }
+                    let mut event = SqsEvent::default();
+                    event.records = batch
+                        .into_iter()
+                        .map(|outgoing| {
+                            let mut record = SqsMessage::default();
+                            record.message_id = Some(outgoing.dedup_id.clone());
+                            record.body = Some(outgoing.message.encode());
+                            record.attributes.insert("MessageGroupId".into(), outgoing.group_id);
+                            record
+                        })
+                        .collect();
+                    worker.handle_batch(event, Instant::now() + Duration::from_secs(60)).await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// Runs a scheduler loop in the background until `stop` is sent.
+fn spawn_scheduler<P: rowq::Publisher + 'static>(
+    scheduler: Arc<Scheduler<P>>,
+) -> (watch::Sender<bool>, tokio::task::JoinHandle<rowq::dispatch::RunTotals>) {
+    let (stop, shutdown) = watch::channel(false);
+    (stop, tokio::spawn(async move { scheduler.run(shutdown, false).await }))
+}
+
+// ---- workloads ----------------------------------------------------------------------------
+
+async fn enqueue(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "enqueue").await?;
+    let started = Instant::now();
+    backlog(&pool, settings.n).await?;
+    let multi = rate(settings.n as f64, started.elapsed());
+
+    let per = settings.n / settings.c as i64;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..settings.c)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                for _ in 0..per {
+                    sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(&pool).await?;
+                }
+                Ok::<_, sqlx::Error>(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await??;
+    }
+    let single = rate((per * settings.c as i64) as f64, started.elapsed());
+    drop_database(pool, &url).await;
+    Ok(
+        json!({"workload": "enqueue", "multi_row_rows_per_s": multi, "single_row_rows_per_s": single, "connections": settings.c}),
+    )
+}
+
+/// Claim-then-complete in plain SQL by C connections: the Postgres floor for a queue.
+async fn sql_floor(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "floor").await?;
+    backlog(&pool, settings.n).await?;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..settings.c)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                loop {
+                    let ids: Vec<i64> = sqlx::query_scalar(
+                        r#"
+                        WITH c AS (
+                            SELECT id FROM rowq.jobs
+                            WHERE state = 'pending' AND queue = 'default' AND run_at <= now()
+                            ORDER BY priority DESC, run_at, id
+                            LIMIT 100
+                            FOR UPDATE SKIP LOCKED
+                        )
+                        UPDATE rowq.jobs j SET state = 'running', attempts = j.attempts + 1, started_at = now()
+                        FROM c WHERE j.id = c.id
+                        RETURNING j.id
+                        "#,
+                    )
+                    .fetch_all(&pool)
+                    .await?;
+                    if ids.is_empty() {
+                        return Ok::<_, sqlx::Error>(());
+                    }
+                    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = ANY($1)")
+                        .bind(ids)
+                        .execute(&pool)
+                        .await?;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await??;
+    }
+    let throughput = rate(settings.n as f64, started.elapsed());
+    drop_database(pool, &url).await;
+    Ok(json!({"workload": "sql-floor", "rows_per_s": throughput, "connections": settings.c}))
+}
+
+async fn dispatch_memory(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "dispatch_mem").await?;
+    backlog(&pool, settings.n).await?;
+    let mut config = scheduler_config(settings, &url, "memory://jobs.fifo");
+    config.max_in_flight = u32::MAX;
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    let (_keep, shutdown) = watch::channel(false);
+    let started = Instant::now();
+    let totals = scheduler.run(shutdown, true).await;
+    let throughput = rate(totals.published as f64, started.elapsed());
+    drop_database(pool, &url).await;
+    Ok(json!({"workload": "dispatch", "transport": "memory", "rows_per_s": throughput, "published": totals.published}))
+}
+
+async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "drain_mem").await?;
+    backlog(&pool, settings.n).await?;
+    let scheduler = Arc::new(Scheduler::new(
+        pool.clone(),
+        Arc::new(MemoryPublisher::new()),
+        scheduler_config(settings, &url, "memory://jobs.fifo"),
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let consumers = memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone());
+    let (halt, running) = spawn_scheduler(scheduler.clone());
+    wait_until_succeeded(&pool, settings.n, Duration::from_secs(600)).await?;
+    let throughput = rate(settings.n as f64, started.elapsed());
+    halt.send_replace(true);
+    stop.store(true, Ordering::Relaxed);
+    running.await?;
+    for consumer in consumers {
+        consumer.await?;
+    }
+    drop_database(pool, &url).await;
+    Ok(json!({"workload": "drain", "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c}))
+}
+
+/// LISTEN and claim one row per NOTIFY, while one row per transaction is inserted: the floor
+/// for pickup latency.
+async fn latency_floor(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "latency_floor").await?;
+    let mut listener = PgListener::connect_with(&pool).await?;
+    listener.listen(rowq::store::NOTIFY_CHANNEL).await?;
+    let done = Arc::new(AtomicBool::new(false));
+    let claimer = {
+        let (pool, done) = (pool.clone(), done.clone());
+        tokio::spawn(async move {
+            while !done.load(Ordering::Relaxed) {
+                if tokio::time::timeout(Duration::from_millis(100), listener.recv()).await.is_err() {
+                    continue;
+                }
+                sqlx::query(
+                    r#"
+                    WITH c AS (SELECT id FROM rowq.jobs WHERE state = 'pending' ORDER BY priority DESC, run_at, id
+                               LIMIT 1 FOR UPDATE SKIP LOCKED)
+                    UPDATE rowq.jobs j SET state = 'running', started_at = now() FROM c WHERE j.id = c.id
+                    "#,
+                )
+                .execute(&pool)
+                .await?;
+            }
+            Ok::<_, sqlx::Error>(())
+        })
+    };
+    trickle(&pool, settings.latency_n, settings.rate).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    done.store(true, Ordering::Relaxed);
+    claimer.await??;
+    let mut ms: Vec<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM rowq.jobs WHERE started_at IS NOT NULL",
+    )
+    .fetch_all(&pool)
+    .await?;
+    let claimed = ms.len();
+    let (p50, p99, max) = percentiles(&mut ms);
+    drop_database(pool, &url).await;
+    Ok(json!({"workload": "latency-floor", "p50_ms": p50, "p99_ms": p99, "max_ms": max, "claimed": claimed}))
+}
+
+async fn latency_memory(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "latency_mem").await?;
+    let scheduler = Arc::new(Scheduler::new(
+        pool.clone(),
+        Arc::new(MemoryPublisher::new()),
+        scheduler_config(settings, &url, "memory://jobs.fifo"),
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let consumers = memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone());
+    let (halt, running) = spawn_scheduler(scheduler.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    trickle(&pool, settings.latency_n, settings.rate).await?;
+    wait_until_succeeded(&pool, settings.latency_n as i64, Duration::from_secs(60)).await?;
+    let (p50, p99, max) = start_latencies(&pool).await?;
+    halt.send_replace(true);
+    stop.store(true, Ordering::Relaxed);
+    running.await?;
+    for consumer in consumers {
+        consumer.await?;
+    }
+    drop_database(pool, &url).await;
+    Ok(json!({"workload": "latency", "transport": "memory", "p50_ms": p50, "p99_ms": p99, "max_ms": max}))
+}
+
+/// What the same LocalStack does for plain send + receive + delete of N FIFO messages.
+async fn raw_localstack(settings: &Settings) -> Result<Value, Error> {
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+    let started = Instant::now();
+    let per = settings.n as usize / settings.c;
+    let senders: Vec<_> = (0..settings.c)
+        .map(|s| {
+            let (client, url) = (client.clone(), queues.queue_url.clone());
+            tokio::spawn(async move {
+                for chunk in 0..per.div_ceil(10) {
+                    let entries = (0..10.min(per - chunk * 10))
+                        .map(|i| {
+                            let id = format!("{s}-{chunk}-{i}");
+                            aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                                .id(i.to_string())
+                                .message_body(r#"{"v":1,"job_id":1,"dispatch_gen":1}"#)
+                                .message_group_id(&id)
+                                .message_deduplication_id(&id)
+                                .build()
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| e.to_string())?;
+                    client
+                        .send_message_batch()
+                        .queue_url(&url)
+                        .set_entries(Some(entries))
+                        .send()
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok::<_, String>(())
+            })
+        })
+        .collect();
+    let total = per * settings.c;
+    let received = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let receivers: Vec<_> = (0..settings.c)
+        .map(|_| {
+            let (client, url, received) = (client.clone(), queues.queue_url.clone(), received.clone());
+            tokio::spawn(async move {
+                while received.load(Ordering::Relaxed) < total {
+                    let output = client
+                        .receive_message()
+                        .queue_url(&url)
+                        .max_number_of_messages(10)
+                        .wait_time_seconds(1)
+                        .send()
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let messages = output.messages.unwrap_or_default();
+                    if messages.is_empty() {
+                        continue;
+                    }
+                    let entries = messages
+                        .iter()
+                        .enumerate()
+                        .map(|(i, m)| {
+                            aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
+                                .id(i.to_string())
+                                .receipt_handle(m.receipt_handle().unwrap_or_default())
+                                .build()
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| e.to_string())?;
+                    client
+                        .delete_message_batch()
+                        .queue_url(&url)
+                        .set_entries(Some(entries))
+                        .send()
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    received.fetch_add(messages.len(), Ordering::Relaxed);
+                }
+                Ok::<_, String>(())
+            })
+        })
+        .collect();
+    for task in senders.into_iter().chain(receivers) {
+        task.await??;
+    }
+    let throughput = rate(total as f64, started.elapsed());
+    Ok(
+        json!({"workload": "raw-localstack", "messages_per_s": throughput, "messages": total, "concurrency": settings.c}),
+    )
+}
+
+async fn dispatch_localstack(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "dispatch_ls").await?;
+    backlog(&pool, settings.n).await?;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+    let mut config = scheduler_config(settings, &url, &queues.queue_url);
+    config.max_in_flight = u32::MAX;
+    let scheduler = Scheduler::new(pool.clone(), SqsPublisher::new(client, queues.queue_url.clone()), config);
+    let (_keep, shutdown) = watch::channel(false);
+    let started = Instant::now();
+    let totals = scheduler.run(shutdown, true).await;
+    let throughput = rate(totals.published as f64, started.elapsed());
+    drop_database(pool, &url).await;
+    Ok(
+        json!({"workload": "dispatch", "transport": "localstack", "rows_per_s": throughput, "published": totals.published}),
+    )
+}
+
+/// The scheduler binary and `rowq work` as processes against LocalStack; peak RSS of each.
+async fn drain_localstack(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "drain_ls").await?;
+    backlog(&pool, settings.n).await?;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+    let env = |command: &mut Command| {
+        command
+            .env("DATABASE_URL", &url)
+            .env("ROWQ_QUEUE_URL", &queues.queue_url)
+            .env("AWS_ENDPOINT_URL", common::endpoint())
+            .env("AWS_REGION", "us-east-1")
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("RUST_LOG", "warn")
+            .env("ROWQ_POLLERS", settings.c.to_string())
+            .env("ROWQ_PUBLISH_CONCURRENCY", settings.c.to_string())
+            .env("ROWQ_BUSY_POLL_MS", "2")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+    };
+    let mut scheduler = Command::new(env!("CARGO_BIN_EXE_scheduler"));
+    env(&mut scheduler);
+    let mut runner = Command::new(env!("CARGO_BIN_EXE_rowq"));
+    runner.arg("work");
+    env(&mut runner);
+    let started = Instant::now();
+    let mut scheduler = scheduler.spawn()?;
+    let mut runner = runner.spawn()?;
+    wait_until_succeeded(&pool, settings.n, Duration::from_secs(600)).await?;
+    let throughput = rate(settings.n as f64, started.elapsed());
+    let peak = |pid: Option<u32>| {
+        pid.and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmHWM:"))
+                    .map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string())
+            })
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0.0, |kb| (kb as f64 / 1024.0 * 10.0).round() / 10.0)
+    };
+    let (scheduler_mb, runner_mb) = (peak(scheduler.id()), peak(runner.id()));
+    let _ = scheduler.start_kill();
+    let _ = runner.start_kill();
+    let _ = scheduler.wait().await;
+    let _ = runner.wait().await;
+    drop_database(pool, &url).await;
+    Ok(json!({
+        "workload": "drain", "transport": "localstack", "jobs_per_s": throughput, "pollers": settings.c,
+        "scheduler_peak_rss_mb": scheduler_mb, "runner_peak_rss_mb": runner_mb,
+    }))
+}
+
+async fn latency_localstack(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "latency_ls").await?;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+    let config = PipelineConfig {
+        scheduler: scheduler_config(settings, &url, &queues.queue_url),
+        event_source: EventSourceConfig {
+            queue_url: queues.queue_url.clone(),
+            dlq_url: None,
+            pollers: settings.c,
+            wait: Duration::from_secs(1),
+            function_timeout: Duration::from_secs(60),
+        },
+        schedulers: 1,
+    };
+    let pipeline = Pipeline::start(pool.clone(), client, worker(&pool), config).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    trickle(&pool, settings.latency_n, settings.rate).await?;
+    wait_until_succeeded(&pool, settings.latency_n as i64, Duration::from_secs(60)).await?;
+    let (p50, p99, max) = start_latencies(&pool).await?;
+    pipeline.stop().await;
+    let stuck: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE state <> $1")
+        .bind(JobState::Succeeded)
+        .fetch_one(&pool)
+        .await?;
+    drop_database(pool, &url).await;
+    Ok(
+        json!({"workload": "latency", "transport": "localstack", "p50_ms": p50, "p99_ms": p99, "max_ms": max, "unfinished": stuck}),
+    )
+}
+
+// ---- report -------------------------------------------------------------------------------
+
+fn report(results: &[Value]) {
+    let find = |workload: &str, transport: Option<&str>| {
+        results
+            .iter()
+            .find(|r| r["workload"] == workload && transport.is_none_or(|t| r["transport"] == t))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let f = |v: &Value, key: &str| v[key].as_f64().unwrap_or(f64::NAN);
+    let floor = find("sql-floor", None);
+    let latency_floor = find("latency-floor", None);
+    let raw = find("raw-localstack", None);
+    let drain_mem = find("drain", Some("memory"));
+    let drain_ls = find("drain", Some("localstack"));
+    let lat_mem = find("latency", Some("memory"));
+    let lat_ls = find("latency", Some("localstack"));
+    let enqueue = find("enqueue", None);
+
+    eprintln!();
+    eprintln!("{:<44} {:>14}", "WORKLOAD", "RESULT");
+    let line = |name: &str, value: String| eprintln!("{name:<44} {value:>14}");
+    line("enqueue, one multi-row INSERT", format!("{:.0} rows/s", f(&enqueue, "multi_row_rows_per_s")));
+    line("enqueue, single-row INSERTs", format!("{:.0} rows/s", f(&enqueue, "single_row_rows_per_s")));
+    line("sql-floor claim+complete", format!("{:.0} rows/s", f(&floor, "rows_per_s")));
+    line("dispatch, in-memory publisher", format!("{:.0} rows/s", f(&find("dispatch", Some("memory")), "rows_per_s")));
+    line("dispatch, LocalStack", format!("{:.0} rows/s", f(&find("dispatch", Some("localstack")), "rows_per_s")));
+    line("drain, in-memory transport", format!("{:.0} jobs/s", f(&drain_mem, "jobs_per_s")));
+    line("drain, LocalStack", format!("{:.0} jobs/s", f(&drain_ls, "jobs_per_s")));
+    line("raw LocalStack send+receive+delete", format!("{:.0} msg/s", f(&raw, "messages_per_s")));
+    line(
+        "latency floor p50 / p99",
+        format!("{:.1} / {:.1} ms", f(&latency_floor, "p50_ms"), f(&latency_floor, "p99_ms")),
+    );
+    line("latency in-memory p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_mem, "p50_ms"), f(&lat_mem, "p99_ms")));
+    line("latency LocalStack p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_ls, "p50_ms"), f(&lat_ls, "p99_ms")));
+    line(
+        "peak RSS scheduler / runner (drain)",
+        format!("{:.1} / {:.1} MB", f(&drain_ls, "scheduler_peak_rss_mb"), f(&drain_ls, "runner_peak_rss_mb")),
+    );
+
+    let ratios = [
+        ("in-memory drain / sql-floor", f(&drain_mem, "jobs_per_s") / f(&floor, "rows_per_s"), 0.5, true),
+        ("in-memory latency p50 / floor p50", f(&lat_mem, "p50_ms") / f(&latency_floor, "p50_ms"), 1.5, false),
+        ("in-memory latency p99 / floor p99", f(&lat_mem, "p99_ms") / f(&latency_floor, "p99_ms"), 3.0, false),
+        ("LocalStack drain / raw LocalStack", f(&drain_ls, "jobs_per_s") / f(&raw, "messages_per_s"), 0.8, true),
+    ];
+    eprintln!();
+    eprintln!("{:<44} {:>8} {:>8}  MET", "RATIO", "VALUE", "TARGET");
+    for (name, value, target, at_least) in ratios {
+        let met = if at_least { value >= target } else { value <= target };
+        eprintln!(
+            "{name:<44} {value:>8.2} {}{target:>7.2}  {}",
+            if at_least { ">" } else { "<" },
+            if met { "yes" } else { "no" }
+        );
+        println!(
+            "{}",
+            json!({"ratio": name, "value": (value * 100.0).round() / 100.0, "target": target, "at_least": at_least, "met": met})
+        );
+    }
+}
