@@ -42,12 +42,24 @@ struct Record {
     message: JobMessage,
 }
 
-/// How one execution ended, before it is recorded.
+/// How one execution ended.
 struct Execution {
     record: Record,
     job: Started,
     outcome: Outcome,
-    tx: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+    recorded: Recorded,
+}
+
+/// Whether an execution's outcome is in the row yet.
+enum Recorded {
+    /// Not yet: it goes into the round's one batched finish.
+    Pending,
+    /// Committed inside the job's own transaction, with the handler's writes.
+    Committed,
+    /// The execution was superseded meanwhile; its transaction was rolled back.
+    Superseded,
+    /// The database failed while committing: SQS must redeliver.
+    Failed(sqlx::Error),
 }
 
 impl Worker {
@@ -195,9 +207,29 @@ impl Worker {
             },
             Err(JobError::Permanent(error)) => Outcome::Failed { error },
         };
-        // A failed attempt's writes are discarded: only a success commits the job's transaction.
-        let tx = if matches!(outcome, Outcome::Succeeded { .. }) { tx } else { None };
-        Execution { record, job, outcome, tx }
+        // A job that wrote through its transaction is finished inside it, at once, so the
+        // connection goes back to the pool for the rest of the batch. A failed attempt's
+        // writes are discarded: only a success commits.
+        let recorded = match tx {
+            Some(mut tx) if matches!(outcome, Outcome::Succeeded { .. }) => {
+                let finish = Finish {
+                    id: job.id,
+                    dispatch_gen: job.dispatch_gen,
+                    attempt: job.attempt,
+                    outcome: outcome.clone(),
+                };
+                match run::finish(&mut *tx, &[finish]).await {
+                    Ok(recorded) if recorded.is_empty() => Recorded::Superseded, // dropped: rolled back
+                    Ok(_) => match tx.commit().await {
+                        Ok(()) => Recorded::Committed,
+                        Err(error) => Recorded::Failed(error),
+                    },
+                    Err(error) => Recorded::Failed(error),
+                }
+            }
+            _ => Recorded::Pending,
+        };
+        Execution { record, job, outcome, recorded }
     }
 
     fn known_kinds(&self) -> String {
@@ -206,18 +238,19 @@ impl Worker {
         kinds.join(", ")
     }
 
-    /// Records every outcome: those with a transaction each inside it, the rest in one
-    /// statement. Returns the message ids whose outcome could not be recorded.
+    /// Records the outcomes not yet recorded in one statement, and logs every outcome.
+    /// Returns the message ids whose outcome could not be recorded.
     async fn record_outcomes(&self, executions: Vec<Execution>) -> Vec<String> {
-        let (transactional, plain): (Vec<_>, Vec<_>) = executions.into_iter().partition(|e| e.tx.is_some());
         let mut failed = Vec::new();
         let mut finished: Vec<&Execution> = Vec::new();
+        let (pending, done): (Vec<&Execution>, Vec<&Execution>) =
+            executions.iter().partition(|e| matches!(e.recorded, Recorded::Pending));
 
-        let finishes: Vec<Finish> = plain.iter().map(finish_of).collect();
+        let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(e)).collect();
         match run::finish(&self.pool, &finishes).await {
             Ok(recorded) => {
                 let recorded: HashSet<JobId> = recorded.into_iter().collect();
-                for execution in &plain {
+                for execution in pending {
                     if recorded.contains(&execution.job.id) {
                         finished.push(execution);
                     } else {
@@ -226,31 +259,19 @@ impl Worker {
                 }
             }
             Err(error) => {
-                tracing::error!(error = %error, jobs = plain.len(), "could not record outcomes: database unavailable; records will be redelivered");
-                failed.extend(plain.iter().map(|e| e.record.message_id.clone()));
+                tracing::error!(error = %error, jobs = pending.len(), "could not record outcomes: database unavailable; records will be redelivered");
+                failed.extend(pending.iter().map(|e| e.record.message_id.clone()));
             }
         }
-
-        let mut transactional = transactional;
-        let commits = transactional.iter_mut().map(|execution| async move {
-            let result = match execution.tx.take() {
-                Some(mut tx) => match run::finish(&mut *tx, &[finish_of(execution)]).await {
-                    Ok(recorded) if recorded.is_empty() => Ok(false), // tx dropped: rolled back
-                    Ok(_) => tx.commit().await.map(|_| true),
-                    Err(error) => Err(error),
-                },
-                None => Ok(false),
-            };
-            (execution, result)
-        });
-        for (execution, result) in futures::future::join_all(commits).await {
-            match result {
-                Ok(true) => finished.push(execution),
-                Ok(false) => log_superseded(execution),
-                Err(error) => {
+        for execution in done {
+            match &execution.recorded {
+                Recorded::Committed => finished.push(execution),
+                Recorded::Superseded => log_superseded(execution),
+                Recorded::Failed(error) => {
                     tracing::error!(error = %error, job.id = execution.job.id.0, "could not commit the job's transaction; the record will be redelivered");
                     failed.push(execution.record.message_id.clone());
                 }
+                Recorded::Pending => {}
             }
         }
 

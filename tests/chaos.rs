@@ -179,7 +179,11 @@ async fn harness() -> Result<(), Error> {
 }
 
 async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Result<(), Error> {
-    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(5).connect(database_url).await?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(5)
+        .acquire_timeout(Duration::from_secs(60))
+        .connect(database_url)
+        .await?;
     rowq::store::migrate(&pool).await?;
     sqlx::query("CREATE TABLE chaos_effects (job_id bigint NOT NULL, attempt int NOT NULL, UNIQUE (job_id, attempt))")
         .execute(&pool)
@@ -279,6 +283,14 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
         if open == 0 {
             break;
         }
+        if settle.elapsed().as_secs() % 10 == 0 && settle.elapsed().subsec_millis() < 250 {
+            let states: Vec<(rowq::JobState, i64)> = sqlx::query_as(
+                "SELECT state, count(*) FROM rowq.jobs WHERE state IN ('pending', 'dispatched', 'running') GROUP BY 1",
+            )
+            .fetch_all(&pool)
+            .await?;
+            eprintln!("chaos: settling, {:.0} s: {states:?}", settle.elapsed().as_secs_f64());
+        }
         if settle.elapsed() > deadline {
             return Err(format!(
                 "{open} jobs still unfinished {deadline:?} after the faults stopped (logs in {})",
@@ -318,7 +330,9 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
     if failed > 0 {
         return Err(format!("{failed} invariants broken").into());
     }
-    let _ = std::fs::remove_dir_all(&logs);
+    if std::env::var_os("CHAOS_KEEP_LOGS").is_none() {
+        let _ = std::fs::remove_dir_all(&logs);
+    }
     Ok(())
 }
 
@@ -388,7 +402,9 @@ fn spawn_runner(world: &World, n: usize) -> Result<Child, Error> {
         .env("ROWQ_RESCUE_GRACE_SECS", "1")
         .env("ROWQ_BACKOFF_BASE_MS", "100")
         .env("ROWQ_BACKOFF_MAX_SECS", "1")
-        .env("ROWQ_DB_POOL_SIZE", "45");
+        // 3 runners × 16 + 3 schedulers × 4 stays well inside Postgres's default 100 connections,
+        // also while killed processes' connections linger.
+        .env("ROWQ_DB_POOL_SIZE", "16");
     Ok(command.spawn()?)
 }
 

@@ -518,3 +518,29 @@ async fn a_stalled_worker_cannot_finish_a_job_that_was_rescued_or_dead_lettered_
     assert_eq!(common::job(&pool, rescued).await.state, JobState::Pending);
     assert_eq!(common::job(&pool, dead).await.state, JobState::Failed);
 }
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_batch_of_transactional_jobs_larger_than_the_pool_still_runs_in_one_attempt_each(
+    _: sqlx::postgres::PgPoolOptions,
+    database: sqlx::postgres::PgConnectOptions,
+) {
+    // A Lambda worker has a small pool (2) and gets batches of 10. Each job that writes
+    // through its transaction holds a connection: it must give it back as soon as it is done,
+    // not at the end of the batch, or the others wait out their timeout.
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(database).await.unwrap();
+    create_effects(&pool).await;
+    let mut config = common::worker_config();
+    config.job_timeout = Duration::from_secs(3);
+    let worker = Worker::new(pool.clone(), registry(), config);
+    let ids = common::enqueue_many(&pool, "effect", 10).await;
+    sqlx::query("UPDATE rowq.jobs SET payload = '{\"sleep_ms\": 200}'").execute(&pool).await.unwrap();
+    claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    let records = ids.iter().map(|id| record(&id.to_string(), &id.to_string(), message(*id, 1))).collect();
+    let started = Instant::now();
+    let failed = deliver(&worker, records).await;
+    println!("10 transactional jobs on a pool of 2: {:?}", started.elapsed());
+    assert!(failed.is_empty(), "{failed:?}");
+    let attempts: Vec<(JobState, i32)> =
+        sqlx::query_as("SELECT state, attempts FROM rowq.jobs ORDER BY id").fetch_all(&pool).await.unwrap();
+    assert!(attempts.iter().all(|a| *a == (JobState::Succeeded, 1)), "{attempts:?}");
+}
