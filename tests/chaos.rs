@@ -283,7 +283,7 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
         if open == 0 {
             break;
         }
-        if settle.elapsed().as_secs() % 10 == 0 && settle.elapsed().subsec_millis() < 250 {
+        if settle.elapsed().as_secs().is_multiple_of(10) && settle.elapsed().subsec_millis() < 250 {
             let states: Vec<(rowq::JobState, i64)> = sqlx::query_as(
                 "SELECT state, count(*) FROM rowq.jobs WHERE state IN ('pending', 'dispatched', 'running') GROUP BY 1",
             )
