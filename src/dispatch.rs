@@ -88,19 +88,25 @@ impl<P: Publisher> Scheduler<P> {
         let queue = &self.config.queue;
         let db_error = |action| move |source| DispatchError::Database { action, queue: queue.clone(), source };
         let (batch, cap) = (self.config.claim_batch, self.config.max_in_flight);
-        let claimed = store::dispatch::claim_due_within(&self.pool, queue, batch, cap, self.config.dispatch_lease)
-            .await
-            .map_err(db_error("claim due jobs"))?;
+        let (claimed, in_flight_before) =
+            store::dispatch::claim_due_within(&self.pool, queue, batch, cap, self.config.dispatch_lease)
+                .await
+                .map_err(db_error("claim due jobs"))?;
         let mut report = DispatchReport {
             claimed: claimed.len(),
             full: claimed.len() == batch as usize,
             ..DispatchReport::default()
         };
         if !report.full {
-            // Fewer than a batch: nothing more is due, or the cap held the claim back. Only
-            // here is the in-flight count worth a round trip of its own.
-            let in_flight =
-                store::dispatch::in_flight(&self.pool, queue).await.map_err(db_error("count in-flight jobs"))?;
+            // Fewer than a batch: nothing more is due, or the cap held the claim back. The claim
+            // returns the count it used; only an empty claim needs a round trip of its own (and
+            // then there is nothing to publish, so it costs no latency).
+            let in_flight = match in_flight_before {
+                Some(before) => before + claimed.len() as i64,
+                None => {
+                    store::dispatch::in_flight(&self.pool, queue).await.map_err(db_error("count in-flight jobs"))?
+                }
+            };
             report.capped = in_flight >= i64::from(cap);
         }
         for job in &claimed {

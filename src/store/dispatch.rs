@@ -30,20 +30,21 @@ pub struct Claimed {
 /// A job with a `group_key` is claimable only while no earlier job of its group is
 /// unfinished: the group runs one at a time, in id order, even across retries.
 pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) -> Result<Vec<Claimed>, sqlx::Error> {
-    claim_due_within(pool, queue, limit, u32::MAX, lease).await
+    Ok(claim_due_within(pool, queue, limit, u32::MAX, lease).await?.0)
 }
 
 /// [`claim_due`], taking no more rows than leave fewer than `max_in_flight` rows of the queue
 /// `dispatched` (backpressure), counted in the same statement: one round trip per claim.
+/// Also returns that count (before the claim) when any row was claimed.
 pub async fn claim_due_within(
     pool: &PgPool,
     queue: &str,
     limit: u32,
     max_in_flight: u32,
     lease: Duration,
-) -> Result<Vec<Claimed>, sqlx::Error> {
-    type Row = (JobId, i64, Option<String>, DateTime<Utc>, i16, DateTime<Utc>);
-    let mut claimed: Vec<(Claimed, i16, DateTime<Utc>)> = sqlx::query_as::<_, Row>(
+) -> Result<(Vec<Claimed>, Option<i64>), sqlx::Error> {
+    type Row = (JobId, i64, Option<String>, DateTime<Utc>, i16, DateTime<Utc>, i64);
+    let rows: Vec<Row> = sqlx::query_as(
         r#"
         WITH in_flight AS (
             SELECT count(*) AS n FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
@@ -70,7 +71,7 @@ pub async fn claim_due_within(
             updated_at = now()
         FROM due
         WHERE j.id = due.id
-        RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at
+        RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at, (SELECT n FROM in_flight)
         "#,
     )
     .bind(queue)
@@ -78,15 +79,17 @@ pub async fn claim_due_within(
     .bind(millis(lease))
     .bind(i64::from(max_in_flight))
     .fetch_all(pool)
-    .await?
-    .into_iter()
-    .map(|(id, dispatch_gen, group_key, created_at, priority, run_at)| {
-        (Claimed { id, dispatch_gen, group_key, created_at }, priority, run_at)
-    })
-    .collect();
+    .await?;
+    let in_flight_before = rows.first().map(|row| row.6);
+    let mut claimed: Vec<(Claimed, i16, DateTime<Utc>)> = rows
+        .into_iter()
+        .map(|(id, dispatch_gen, group_key, created_at, priority, run_at, _)| {
+            (Claimed { id, dispatch_gen, group_key, created_at }, priority, run_at)
+        })
+        .collect();
     // RETURNING has no order of its own; publish in the order the claim chose.
     claimed.sort_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.id.cmp(&b.0.id)));
-    Ok(claimed.into_iter().map(|(job, _, _)| job).collect())
+    Ok((claimed.into_iter().map(|(job, _, _)| job).collect(), in_flight_before))
 }
 
 /// `dispatched → pending` for rows whose message could not be published, guarded by the
