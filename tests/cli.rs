@@ -5,8 +5,7 @@ mod common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use rowq::config::EventSourceConfig;
-use rowq::pipeline::{Pipeline, PipelineConfig};
+use rowq::pipeline::Pipeline;
 use rowq::{Registry, Worker};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -65,17 +64,7 @@ fn refusal(pool: &PgPool, args: &[&str]) -> String {
 async fn enqueue_then_status_shows_the_job_succeeded_with_its_result(pool: PgPool) {
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
-    let config = PipelineConfig {
-        scheduler: common::scheduler_config(&queues.queue_url),
-        event_source: EventSourceConfig {
-            queue_url: queues.queue_url.clone(),
-            dlq_url: None,
-            pollers: 2,
-            wait: Duration::from_secs(1),
-            function_timeout: Duration::from_secs(30),
-        },
-        schedulers: 1,
-    };
+    let config = common::pipeline_config(&queues, 2, false);
     let worker = Worker::new(pool.clone(), Registry::builtin(), common::worker_config());
     let pipeline = Pipeline::start(pool.clone(), client, worker, config).await.unwrap();
 

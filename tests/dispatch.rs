@@ -29,27 +29,15 @@ async fn enqueue_with(pool: &PgPool, job: NewJob) -> JobId {
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn claims_follow_priority_then_run_at_then_id_and_skip_future_rows(pool: PgPool) {
     let now = chrono::Utc::now();
-    let low_old = enqueue_with(
-        &pool,
-        NewJob { run_at: Some(now - chrono::Duration::seconds(60)), ..NewJob::new("noop", json!({})) },
-    )
-    .await;
-    let low_new = enqueue_with(
-        &pool,
-        NewJob { run_at: Some(now - chrono::Duration::seconds(10)), ..NewJob::new("noop", json!({})) },
-    )
-    .await;
+    let due_since = |seconds: i64| NewJob {
+        run_at: Some(now - chrono::Duration::seconds(seconds)),
+        ..NewJob::new("noop", json!({}))
+    };
+    let low_old = enqueue_with(&pool, due_since(60)).await;
+    let low_new = enqueue_with(&pool, due_since(10)).await;
     let high = enqueue_with(&pool, NewJob { priority: Some(10), ..NewJob::new("noop", json!({})) }).await;
-    let low_same_time_a = enqueue_with(
-        &pool,
-        NewJob { run_at: Some(now - chrono::Duration::seconds(5)), ..NewJob::new("noop", json!({})) },
-    )
-    .await;
-    let low_same_time_b = enqueue_with(
-        &pool,
-        NewJob { run_at: Some(now - chrono::Duration::seconds(5)), ..NewJob::new("noop", json!({})) },
-    )
-    .await;
+    let low_same_time_a = enqueue_with(&pool, due_since(5)).await;
+    let low_same_time_b = enqueue_with(&pool, due_since(5)).await;
     let future = enqueue_with(
         &pool,
         NewJob {

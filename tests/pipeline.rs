@@ -9,9 +9,8 @@ use std::time::{Duration, Instant};
 
 use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
 use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
-use rowq::config::EventSourceConfig;
 use rowq::event_source::EventSource;
-use rowq::pipeline::{Pipeline, PipelineConfig};
+use rowq::pipeline::Pipeline;
 use rowq::store::dispatch::claim_due;
 use rowq::{JobContext, JobError, JobMessage, JobState, Registry, Scheduler, SqsPublisher, Worker, dlq};
 use serde_json::json;
@@ -218,17 +217,8 @@ async fn thousands_of_rows_flow_from_insert_to_succeeded_with_two_schedulers_and
     create_effects(&pool).await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
-    let config = PipelineConfig {
-        scheduler: common::scheduler_config(&queues.queue_url),
-        event_source: EventSourceConfig {
-            queue_url: queues.queue_url.clone(),
-            dlq_url: Some(queues.dlq_url.clone()),
-            pollers: 8,
-            wait: Duration::from_secs(1),
-            function_timeout: Duration::from_secs(30),
-        },
-        schedulers: 2,
-    };
+    let mut config = common::pipeline_config(&queues, 8, true);
+    config.schedulers = 2;
     let worker = Worker::new(pool.clone(), effect_registry(), common::worker_config());
     let pipeline = Pipeline::start(pool.clone(), client.clone(), worker, config).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;

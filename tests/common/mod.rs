@@ -176,3 +176,19 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The in-process pipeline's settings for tests: one scheduler, `pollers` consumers, the DLQ
+/// served when `with_dlq`.
+pub fn pipeline_config(queues: &QueuePair, pollers: usize, with_dlq: bool) -> rowq::pipeline::PipelineConfig {
+    rowq::pipeline::PipelineConfig {
+        scheduler: scheduler_config(&queues.queue_url),
+        event_source: rowq::config::EventSourceConfig {
+            queue_url: queues.queue_url.clone(),
+            dlq_url: with_dlq.then(|| queues.dlq_url.clone()),
+            pollers,
+            wait: Duration::from_secs(1),
+            function_timeout: Duration::from_secs(30),
+        },
+        schedulers: 1,
+    }
+}
