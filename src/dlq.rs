@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent};
+use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent};
 use sqlx::PgPool;
 
-use crate::job::JobMessage;
 use crate::store::run;
+use crate::worker::{batch_response, decode_record};
 
 /// The SQS record attribute counting receives.
 pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
@@ -16,18 +16,10 @@ pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
 /// Handles one batch from the DLQ. Only a database failure reports a record failed (SQS
 /// delivers it again); malformed bodies are acknowledged and logged.
 pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
-    let mut response = SqsBatchResponse::default();
+    let mut failed = Vec::new();
     for record in event.records {
-        let Some(message_id) = record.message_id.clone() else {
-            tracing::error!("dead-letter record without a messageId acknowledged");
+        let Some((message_id, message)) = decode_record(&record) else {
             continue;
-        };
-        let message = match JobMessage::decode(record.body.as_deref().unwrap_or_default()) {
-            Ok(message) => message,
-            Err(error) => {
-                tracing::error!(sqs.message_id = %message_id, error = %error, "malformed dead-letter message acknowledged and dropped");
-                continue;
-            }
         };
         let receives = record.attributes.get(RECEIVE_COUNT_ATTRIBUTE).map_or("an unknown number of", String::as_str);
         let reason = format!(
@@ -45,13 +37,11 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
             ),
             Err(error) => {
                 tracing::error!(error = %error, sqs.message_id = %message_id, "could not record a dead letter: database unavailable; it will be redelivered");
-                let mut failure = BatchItemFailure::default();
-                failure.item_identifier = message_id;
-                response.batch_item_failures.push(failure);
+                failed.push(message_id);
             }
         }
     }
-    response
+    batch_response(failed)
 }
 
 /// Runs the DLQ handler as a Lambda function.

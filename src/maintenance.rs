@@ -31,18 +31,17 @@ impl MaintenanceReport {
         *self == MaintenanceReport::default()
     }
 
-    fn count(&mut self, rescued: &[Rescued], from: &'static str) {
+    fn count(&mut self, rescued: &[Rescued], from: JobState) {
         for job in rescued {
-            let retried = job.state == JobState::Pending;
-            match (retried, from) {
-                (true, "dispatched") => self.rescued_dispatched += 1,
-                (true, _) => self.rescued_running += 1,
-                (false, _) => self.failed += 1,
+            match (job.state, from) {
+                (JobState::Pending, JobState::Dispatched) => self.rescued_dispatched += 1,
+                (JobState::Pending, _) => self.rescued_running += 1,
+                _ => self.failed += 1,
             }
             tracing::warn!(
                 job.id = job.id.0,
                 job.dispatch_gen = job.dispatch_gen,
-                job.from = from,
+                job.from = from.as_str(),
                 job.to = job.state.as_str(),
                 "job rescued"
             );
@@ -56,14 +55,14 @@ pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceR
     let mut report = MaintenanceReport::default();
     for _ in 0..MAX_ROUNDS {
         let rescued = store::rescue_dispatched(pool).await?;
-        report.count(&rescued, "dispatched");
+        report.count(&rescued, JobState::Dispatched);
         if (rescued.len() as i64) < RESCUE_BATCH {
             break;
         }
     }
     for _ in 0..MAX_ROUNDS {
         let rescued = store::rescue_running(pool, RESCUE_RETRY_DELAY).await?;
-        report.count(&rescued, "running");
+        report.count(&rescued, JobState::Running);
         if (rescued.len() as i64) < RESCUE_BATCH {
             break;
         }

@@ -102,16 +102,7 @@ impl Worker {
                 failures.extend(records[first_failed..].iter().map(|r| r.message_id.clone()));
             }
         }
-        let mut response = SqsBatchResponse::default();
-        response.batch_item_failures = failures
-            .into_iter()
-            .map(|id| {
-                let mut failure = BatchItemFailure::default();
-                failure.item_identifier = id;
-                failure
-            })
-            .collect();
-        response
+        batch_response(failures)
     }
 
     /// Fences, runs and finishes one record per group. Returns the groups that hit an
@@ -170,7 +161,7 @@ impl Worker {
     }
 
     /// Runs one started job's handler under its timeout.
-    async fn execute(&self, record: Record, job: Started, deadline: Instant) -> Execution {
+    async fn execute(&self, record: Record, mut job: Started, deadline: Instant) -> Execution {
         let timeout = self
             .registry
             .timeout_of(&job.kind)
@@ -184,7 +175,9 @@ impl Worker {
             Instant::now() + timeout,
             self.pool.clone(),
         );
-        let result = match self.registry.call(&job.kind, ctx, job.payload.clone()) {
+        // The payload (up to 1 MiB) is moved to the handler, not copied; the row keeps it.
+        let payload = std::mem::take(&mut job.payload);
+        let result = match self.registry.call(&job.kind, ctx, payload) {
             None => Err(JobError::permanent(format!(
                 "unknown job kind {:?}: this worker has no handler for it (it knows: {})",
                 job.kind,
@@ -332,16 +325,8 @@ fn group_records(records: Vec<SqsMessage>) -> Vec<Vec<Record>> {
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut seen: HashSet<(JobId, i64)> = HashSet::new();
     for raw in records {
-        let Some(message_id) = raw.message_id.clone() else {
-            tracing::error!("SQS record without a messageId acknowledged: it cannot be reported failed");
+        let Some((message_id, message)) = decode_record(&raw) else {
             continue;
-        };
-        let message = match JobMessage::decode(raw.body.as_deref().unwrap_or_default()) {
-            Ok(message) => message,
-            Err(error) => {
-                tracing::error!(sqs.message_id = %message_id, error = %error, "malformed message acknowledged and dropped");
-                continue;
-            }
         };
         if !seen.insert((message.job_id, message.dispatch_gen)) {
             tracing::info!(sqs.message_id = %message_id, job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, "duplicate message in batch acknowledged");
@@ -356,6 +341,36 @@ fn group_records(records: Vec<SqsMessage>) -> Vec<Vec<Record>> {
         groups[position].push(Record { message_id, message });
     }
     groups
+}
+
+/// A record's message id and job message, or `None` (logged) for a record that can never be
+/// valid: it is acknowledged, as retrying it cannot help. Shared by the worker and the DLQ handler.
+pub(crate) fn decode_record(raw: &SqsMessage) -> Option<(String, JobMessage)> {
+    let Some(message_id) = raw.message_id.clone() else {
+        tracing::error!("SQS record without a messageId acknowledged: it cannot be reported failed");
+        return None;
+    };
+    match JobMessage::decode(raw.body.as_deref().unwrap_or_default()) {
+        Ok(message) => Some((message_id, message)),
+        Err(error) => {
+            tracing::error!(sqs.message_id = %message_id, error = %error, "malformed message acknowledged and dropped");
+            None
+        }
+    }
+}
+
+/// The partial batch response reporting `failed` message ids.
+pub(crate) fn batch_response(failed: Vec<String>) -> SqsBatchResponse {
+    let mut response = SqsBatchResponse::default();
+    response.batch_item_failures = failed
+        .into_iter()
+        .map(|id| {
+            let mut failure = BatchItemFailure::default();
+            failure.item_identifier = id;
+            failure
+        })
+        .collect();
+    response
 }
 
 /// Exponential backoff with jitter for attempt `attempt` (1-based): a delay drawn uniformly
