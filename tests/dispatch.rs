@@ -22,6 +22,24 @@ fn memory_scheduler(pool: &PgPool) -> Scheduler<MemoryPublisher> {
     Scheduler::new(pool.clone(), MemoryPublisher::new(), common::scheduler_config(MEMORY_URL))
 }
 
+/// A scheduler whose poll and maintenance intervals are 600 s: only a NOTIFY wakes it.
+fn spawn_idle_scheduler(pool: &PgPool) -> (watch::Sender<bool>, tokio::task::JoinHandle<rowq::dispatch::RunTotals>) {
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.poll_interval = Duration::from_secs(600);
+    config.maintenance_interval = Duration::from_secs(600);
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    let (stop, shutdown) = watch::channel(false);
+    (stop, tokio::spawn(async move { scheduler.run(shutdown, false).await }))
+}
+
+async fn wait_dispatched(pool: &PgPool, id: JobId, what: &str) {
+    common::eventually(Duration::from_secs(30), what, || {
+        let pool = pool.clone();
+        async move { (common::job(&pool, id).await.state == JobState::Dispatched).then_some(()) }
+    })
+    .await;
+}
+
 async fn enqueue_with(pool: &PgPool, job: NewJob) -> JobId {
     admin::enqueue(pool, &job).await.unwrap().unwrap()
 }
@@ -320,26 +338,14 @@ async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order(pool: PgPool
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn an_idle_scheduler_wakes_on_notify_long_before_its_poll_interval(pool: PgPool) {
-    let mut config = common::scheduler_config(MEMORY_URL);
-    config.poll_interval = Duration::from_secs(600);
-    config.maintenance_interval = Duration::from_secs(600);
-    let scheduler = Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config));
-    let (stop, shutdown) = watch::channel(false);
-    let running = tokio::spawn({
-        let scheduler = scheduler.clone();
-        async move { scheduler.run(shutdown, false).await }
-    });
+    let (stop, running) = spawn_idle_scheduler(&pool);
     tokio::time::sleep(Duration::from_millis(500)).await; // idle, listening
 
     let mut latencies = Vec::new();
     for _ in 0..5 {
         let inserted = Instant::now();
         let id = common::enqueue(&pool, "noop", json!({})).await;
-        common::eventually(Duration::from_secs(30), "the NOTIFY to wake the scheduler", || {
-            let pool = pool.clone();
-            async move { (common::job(&pool, id).await.state == JobState::Dispatched).then_some(()) }
-        })
-        .await;
+        wait_dispatched(&pool, id, "the NOTIFY to wake the scheduler").await;
         latencies.push(inserted.elapsed());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -351,15 +357,7 @@ async fn an_idle_scheduler_wakes_on_notify_long_before_its_poll_interval(pool: P
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn the_scheduler_listens_again_after_its_connection_is_terminated(pool: PgPool) {
-    let mut config = common::scheduler_config(MEMORY_URL);
-    config.poll_interval = Duration::from_secs(600);
-    config.maintenance_interval = Duration::from_secs(600);
-    let scheduler = Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config));
-    let (stop, shutdown) = watch::channel(false);
-    let running = tokio::spawn({
-        let scheduler = scheduler.clone();
-        async move { scheduler.run(shutdown, false).await }
-    });
+    let (stop, running) = spawn_idle_scheduler(&pool);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let killed: Vec<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
@@ -383,11 +381,7 @@ async fn the_scheduler_listens_again_after_its_connection_is_terminated(pool: Pg
     })
     .await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
-    common::eventually(Duration::from_secs(30), "a NOTIFY after the reconnect", || {
-        let pool = pool.clone();
-        async move { (common::job(&pool, id).await.state == JobState::Dispatched).then_some(()) }
-    })
-    .await;
+    wait_dispatched(&pool, id, "a NOTIFY after the reconnect").await;
     stop.send(true).unwrap();
     running.await.unwrap();
 }
@@ -409,14 +403,7 @@ async fn a_bounded_drain_stops_when_its_budget_is_spent(pool: PgPool) {
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_shutdown_signal_stops_an_idle_scheduler(pool: PgPool) {
-    let mut config = common::scheduler_config(MEMORY_URL);
-    config.poll_interval = Duration::from_secs(600);
-    let scheduler = Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config));
-    let (stop, shutdown) = watch::channel(false);
-    let running = tokio::spawn({
-        let scheduler = scheduler.clone();
-        async move { scheduler.run(shutdown, false).await }
-    });
+    let (stop, running) = spawn_idle_scheduler(&pool);
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(10), running).await.expect("the scheduler ignored shutdown").unwrap();
