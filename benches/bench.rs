@@ -3,7 +3,9 @@
 //! and the target ratios.
 //!
 //! Settings: BENCH_N (backlog, 20000), BENCH_C (connections / pollers, 8), BENCH_LATENCY_N
-//! (1000), BENCH_RATE (inserts per second for latency, 100).
+//! (1000), BENCH_RATE (inserts per second for latency, 100), BENCH_ONLY (comma-separated workloads:
+//! enqueue, sql-floor, dispatch-memory, drain-memory, latency-floor, latency-memory,
+//! raw-localstack, dispatch-localstack, drain-localstack, latency-localstack; default all).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -66,16 +68,39 @@ async fn run() -> Result<(), Error> {
         results.push(value);
     };
 
-    emit(enqueue(&settings).await?);
-    emit(sql_floor(&settings).await?);
-    emit(dispatch_memory(&settings).await?);
-    emit(drain_memory(&settings).await?);
-    emit(latency_floor(&settings).await?);
-    emit(latency_memory(&settings).await?);
-    emit(raw_localstack(&settings).await?);
-    emit(dispatch_localstack(&settings).await?);
-    emit(drain_localstack(&settings).await?);
-    emit(latency_localstack(&settings).await?);
+    // BENCH_ONLY=drain-memory,sql-floor runs just those (names as in this list).
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    let wanted = |name: &str| only.is_empty() || only.split(',').any(|w| w.trim() == name);
+    if wanted("enqueue") {
+        emit(enqueue(&settings).await?);
+    }
+    if wanted("sql-floor") {
+        emit(sql_floor(&settings).await?);
+    }
+    if wanted("dispatch-memory") {
+        emit(dispatch_memory(&settings).await?);
+    }
+    if wanted("drain-memory") {
+        emit(drain_memory(&settings).await?);
+    }
+    if wanted("latency-floor") {
+        emit(latency_floor(&settings).await?);
+    }
+    if wanted("latency-memory") {
+        emit(latency_memory(&settings).await?);
+    }
+    if wanted("raw-localstack") {
+        emit(raw_localstack(&settings).await?);
+    }
+    if wanted("dispatch-localstack") {
+        emit(dispatch_localstack(&settings).await?);
+    }
+    if wanted("drain-localstack") {
+        emit(drain_localstack(&settings).await?);
+    }
+    if wanted("latency-localstack") {
+        emit(latency_localstack(&settings).await?);
+    }
 
     report(&results);
     Ok(())

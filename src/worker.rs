@@ -23,7 +23,7 @@ use sqlx::PgPool;
 use crate::config::WorkerConfig;
 use crate::handlers::{JobContext, Registry, catching_panics};
 use crate::job::{JobError, JobId, JobMessage};
-use crate::store::run::{self, Finish, Outcome, StartRequest, Started};
+use crate::store::run::{self, Finish, Finished, Outcome, StartRequest, Started};
 
 /// The SQS record attribute that names the FIFO message group.
 pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
@@ -242,9 +242,9 @@ impl Worker {
         let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(e)).collect();
         match run::finish(&self.pool, &finishes).await {
             Ok(recorded) => {
-                let recorded: HashSet<JobId> = recorded.into_iter().collect();
+                let recorded: HashSet<Finished> = recorded.into_iter().collect();
                 for execution in pending {
-                    if recorded.contains(&execution.job.id) {
+                    if recorded.contains(&execution.key()) {
                         finished.push(execution);
                     } else {
                         log_superseded(execution);
@@ -277,6 +277,13 @@ impl Worker {
             tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
         }
         failed
+    }
+}
+
+impl Execution {
+    /// Which execution this was: what a recorded finish names.
+    fn key(&self) -> Finished {
+        Finished { id: self.job.id, dispatch_gen: self.job.dispatch_gen, attempt: self.job.attempt }
     }
 }
 

@@ -27,25 +27,20 @@ pub struct Claimed {
 /// `UPDATE` moves exactly the rows it locked. The statement commits on its own (autocommit),
 /// before anything is sent to SQS.
 ///
+/// The outer `UPDATE` finds its rows through `id = ANY (ARRAY(...))`, not by joining the CTE:
+/// the planner cannot tell how many rows a `LIMIT` computed from a subquery leaves, and for a
+/// join it chose a hash join over a sequential scan of the whole table — a claim whose cost
+/// grew with every finished row kept (4.9 ms for 100 rows on a 20,000-row table, against
+/// 1.8 ms through the primary key).
+///
 /// A job with a `group_key` is claimable only while no earlier job of its group is
 /// unfinished: the group runs one at a time, in id order, even across retries.
 pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) -> Result<Vec<Claimed>, sqlx::Error> {
     Ok(claim_due_within(pool, queue, limit, u32::MAX, lease).await?.0)
 }
 
-/// [`claim_due`], taking no more rows than leave fewer than `max_in_flight` rows of the queue
-/// `dispatched` (backpressure), counted in the same statement: one round trip per claim.
-/// Also returns that count (before the claim) when any row was claimed.
-pub async fn claim_due_within(
-    pool: &PgPool,
-    queue: &str,
-    limit: u32,
-    max_in_flight: u32,
-    lease: Duration,
-) -> Result<(Vec<Claimed>, Option<i64>), sqlx::Error> {
-    type Row = (JobId, i64, Option<String>, DateTime<Utc>, i16, DateTime<Utc>, i64);
-    let rows: Vec<Row> = sqlx::query_as(
-        r#"
+/// The claim statement of [`claim_due_within`] (public so that tests can `EXPLAIN` it).
+pub const CLAIM_SQL: &str = r#"
         WITH in_flight AS (
             SELECT count(*) AS n FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
         ),
@@ -69,17 +64,28 @@ pub async fn claim_due_within(
             dispatch_gen = j.dispatch_gen + 1,
             dispatch_deadline = now() + $3 * interval '1 millisecond',
             updated_at = now()
-        FROM due
-        WHERE j.id = due.id
+        WHERE j.id = ANY (ARRAY(SELECT id FROM due))
         RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at, (SELECT n FROM in_flight)
-        "#,
-    )
-    .bind(queue)
-    .bind(i64::from(limit))
-    .bind(millis(lease))
-    .bind(i64::from(max_in_flight))
-    .fetch_all(pool)
-    .await?;
+        "#;
+
+/// [`claim_due`], taking no more rows than leave fewer than `max_in_flight` rows of the queue
+/// `dispatched` (backpressure), counted in the same statement: one round trip per claim.
+/// Also returns that count (before the claim) when any row was claimed.
+pub async fn claim_due_within(
+    pool: &PgPool,
+    queue: &str,
+    limit: u32,
+    max_in_flight: u32,
+    lease: Duration,
+) -> Result<(Vec<Claimed>, Option<i64>), sqlx::Error> {
+    type Row = (JobId, i64, Option<String>, DateTime<Utc>, i16, DateTime<Utc>, i64);
+    let rows: Vec<Row> = sqlx::query_as(CLAIM_SQL)
+        .bind(queue)
+        .bind(i64::from(limit))
+        .bind(millis(lease))
+        .bind(i64::from(max_in_flight))
+        .fetch_all(pool)
+        .await?;
     let in_flight_before = rows.first().map(|row| row.6);
     let mut claimed: Vec<(Claimed, i16, DateTime<Utc>)> = rows
         .into_iter()
@@ -92,6 +98,15 @@ pub async fn claim_due_within(
     Ok((claimed.into_iter().map(|(job, _, _)| job).collect(), in_flight_before))
 }
 
+/// The statement of [`release`] (public so that tests can `EXPLAIN` it).
+pub const RELEASE_SQL: &str = r#"
+        UPDATE rowq.jobs j
+        SET state = 'pending', dispatch_deadline = NULL, updated_at = now()
+        FROM unnest($1::bigint[], $2::bigint[]) AS r(id, dispatch_gen)
+        WHERE j.id = ANY ($1) AND j.id = r.id AND j.dispatch_gen = r.dispatch_gen AND j.state::text = 'dispatched'
+        RETURNING j.id
+        "#;
+
 /// `dispatched → pending` for rows whose message could not be published, guarded by the
 /// generation that was claimed: a row a worker already started (the send did succeed) or that
 /// was rescued and claimed again is left alone. No attempt is consumed.
@@ -101,19 +116,7 @@ pub async fn release(pool: &PgPool, jobs: &[(JobId, i64)]) -> Result<Vec<JobId>,
     }
     let ids: Vec<i64> = jobs.iter().map(|(id, _)| id.0).collect();
     let gens: Vec<i64> = jobs.iter().map(|(_, dispatch_gen)| *dispatch_gen).collect();
-    sqlx::query_scalar(
-        r#"
-        UPDATE rowq.jobs j
-        SET state = 'pending', dispatch_deadline = NULL, updated_at = now()
-        FROM unnest($1::bigint[], $2::bigint[]) AS r(id, dispatch_gen)
-        WHERE j.id = r.id AND j.dispatch_gen = r.dispatch_gen AND j.state = 'dispatched'
-        RETURNING j.id
-        "#,
-    )
-    .bind(ids)
-    .bind(gens)
-    .fetch_all(pool)
-    .await
+    sqlx::query_scalar(RELEASE_SQL).bind(ids).bind(gens).fetch_all(pool).await
 }
 
 /// Rows of `queue` that are `dispatched` now: the in-flight count backpressure is based on.

@@ -7,6 +7,10 @@ use sqlx::PgPool;
 use super::millis;
 use crate::job::{JobId, JobState};
 
+// Each statement below reaches its rows through `id = ANY (ARRAY(...))` of a locking subquery,
+// which the planner turns into primary-key lookups; a join or `IN` may become a hash join over
+// a sequential scan of the whole table (see `dispatch::claim_due_within`).
+
 /// Rows moved per statement, so one rescue never holds many locks for long.
 pub const RESCUE_BATCH: i64 = 1000;
 /// Rows deleted per statement.
@@ -42,8 +46,7 @@ pub async fn rescue_dispatched(pool: &PgPool) -> Result<Vec<Rescued>, sqlx::Erro
                               ELSE 'attempts used up; last dispatch was never started' END,
             dispatch_deadline = NULL,
             updated_at = now()
-        FROM stuck
-        WHERE j.id = stuck.id AND j.state = 'dispatched'
+        WHERE j.id = ANY (ARRAY(SELECT id FROM stuck)) AND j.state = 'dispatched'
         RETURNING j.id, j.dispatch_gen, j.state
         "#,
     )
@@ -79,8 +82,8 @@ pub async fn rescue_running(pool: &PgPool, retry_delay: Duration) -> Result<Vec<
                        'attempt', j.attempts, 'dispatch_gen', j.dispatch_gen, 'at', now(), 'error', reason.text)),
             run_deadline = NULL,
             updated_at = now()
-        FROM stuck, reason
-        WHERE j.id = stuck.id AND j.state = 'running'
+        FROM reason
+        WHERE j.id = ANY (ARRAY(SELECT id FROM stuck)) AND j.state = 'running'
         RETURNING j.id, j.dispatch_gen, j.state
         "#,
     )
@@ -96,13 +99,13 @@ pub async fn prune_finished(pool: &PgPool, retention: Duration) -> Result<u64, s
     let result = sqlx::query(
         r#"
         DELETE FROM rowq.jobs
-        WHERE id IN (
+        WHERE id = ANY (ARRAY(
             SELECT id FROM rowq.jobs
             WHERE state IN ('succeeded', 'failed', 'cancelled')
               AND finished_at < now() - $1 * interval '1 millisecond'
             LIMIT $2
             FOR UPDATE SKIP LOCKED
-        )
+        ))
         "#,
     )
     .bind(millis(retention))

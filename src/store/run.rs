@@ -38,21 +38,8 @@ pub struct Started {
     pub run_deadline: DateTime<Utc>,
 }
 
-/// The fence, for a whole batch in one statement: `dispatched → running` for the message's
-/// generation, or take-over of a `running` row of that generation whose `run_deadline` has
-/// passed (its worker died). `attempts + 1`, `started_at`, `run_deadline` set.
-///
-/// Requests that match nothing are stale or duplicate messages; they are absent from the
-/// result. Requests must name distinct jobs (a job appearing twice would start once).
-pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
-    if requests.is_empty() {
-        return Ok(Vec::new());
-    }
-    let ids: Vec<i64> = requests.iter().map(|r| r.id.0).collect();
-    let gens: Vec<i64> = requests.iter().map(|r| r.dispatch_gen).collect();
-    let leases: Vec<i64> = requests.iter().map(|r| millis(r.lease)).collect();
-    sqlx::query_as(
-        r#"
+/// The fence statement of [`start`] (public so that tests can `EXPLAIN` it).
+pub const START_SQL: &str = r#"
         UPDATE rowq.jobs j
         SET state = 'running',
             attempts = j.attempts + 1,
@@ -61,18 +48,33 @@ pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Start
             dispatch_deadline = NULL,
             updated_at = now()
         FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS m(id, dispatch_gen, lease_ms)
-        WHERE j.id = m.id
+        WHERE j.id = ANY ($1) AND j.id = m.id
           AND j.dispatch_gen = m.dispatch_gen
           AND j.attempts < j.max_attempts
-          AND (j.state = 'dispatched' OR (j.state = 'running' AND j.run_deadline < now()))
+          AND (j.state::text = 'dispatched' OR (j.state::text = 'running' AND j.run_deadline < now()))
         RETURNING j.id, j.dispatch_gen, j.attempts, j.max_attempts, j.kind, j.payload, j.group_key, j.run_deadline
-        "#,
-    )
-    .bind(ids)
-    .bind(gens)
-    .bind(leases)
-    .fetch_all(pool)
-    .await
+        "#;
+
+/// The fence, for a whole batch in one statement: `dispatched → running` for the message's
+/// generation, or take-over of a `running` row of that generation whose `run_deadline` has
+/// passed (its worker died). `attempts + 1`, `started_at`, `run_deadline` set.
+///
+/// Requests that match nothing are stale or duplicate messages; they are absent from the
+/// result. Requests must name distinct jobs (a job appearing twice would start once).
+///
+/// The rows are found by primary key (`id = ANY ($1)`), and the state guard is written on
+/// `state::text` so that no partial index of a state matches it. With the statistics of a
+/// table analyzed while its rows were all `pending`, the planner believed the `dispatched`
+/// index empty and scanned every in-flight row to start ten; now the cost is the batch's,
+/// whatever the statistics say. [`finish`] and `dispatch::release` do the same.
+pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
+    if requests.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = requests.iter().map(|r| r.id.0).collect();
+    let gens: Vec<i64> = requests.iter().map(|r| r.dispatch_gen).collect();
+    let leases: Vec<i64> = requests.iter().map(|r| millis(r.lease)).collect();
+    sqlx::query_as(START_SQL).bind(ids).bind(gens).bind(leases).fetch_all(pool).await
 }
 
 /// How an execution ended, as the row will record it.
@@ -86,6 +88,15 @@ pub enum Outcome {
     Failed { error: String },
 }
 
+/// An execution whose outcome [`finish`] recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::FromRow)]
+pub struct Finished {
+    pub id: JobId,
+    pub dispatch_gen: i64,
+    #[sqlx(rename = "attempts")]
+    pub attempt: i32,
+}
+
 /// One finished execution.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Finish {
@@ -95,13 +106,38 @@ pub struct Finish {
     pub outcome: Outcome,
 }
 
+/// The statement of [`finish`] (public so that tests can `EXPLAIN` it).
+pub const FINISH_SQL: &str = r#"
+        UPDATE rowq.jobs j
+        SET state = f.state::rowq.job_state,
+            result = f.result::jsonb,
+            last_error = f.error,
+            errors = CASE WHEN f.error IS NULL THEN j.errors
+                          ELSE j.errors || jsonb_build_array(jsonb_build_object(
+                                 'attempt', j.attempts, 'dispatch_gen', j.dispatch_gen,
+                                 'at', now(), 'error', f.error))
+                     END,
+            run_at = CASE WHEN f.state = 'pending' THEN now() + f.backoff_ms * interval '1 millisecond'
+                          ELSE j.run_at END,
+            finished_at = CASE WHEN f.state = 'pending' THEN NULL ELSE now() END,
+            run_deadline = NULL,
+            updated_at = now()
+        FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::text[], $5::text[], $6::text[], $7::bigint[])
+             AS f(id, dispatch_gen, attempt, state, result, error, backoff_ms)
+        WHERE j.id = ANY ($1) AND j.id = f.id
+          AND j.dispatch_gen = f.dispatch_gen
+          AND j.attempts = f.attempt
+          AND j.state::text = 'running'
+        RETURNING j.id, j.dispatch_gen, j.attempts
+        "#;
+
 /// Records outcomes, guarded by the execution `(id, dispatch_gen, attempts)` and
 /// `state = 'running'`: an execution that was rescued, taken over or dead-lettered meanwhile
-/// records nothing. Returns the jobs whose outcome was recorded.
+/// records nothing. Returns the executions whose outcome was recorded.
 ///
 /// Takes any executor: the pool for a batch of outcomes in one round trip, or the job's own
 /// transaction so the handler's writes commit with its completion, or not at all.
-pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> Result<Vec<JobId>, sqlx::Error> {
+pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> Result<Vec<Finished>, sqlx::Error> {
     if finishes.is_empty() {
         return Ok(Vec::new());
     }
@@ -126,40 +162,16 @@ pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> R
         errors.push(error);
         backoffs.push(backoff);
     }
-    sqlx::query_scalar(
-        r#"
-        UPDATE rowq.jobs j
-        SET state = f.state::rowq.job_state,
-            result = f.result::jsonb,
-            last_error = f.error,
-            errors = CASE WHEN f.error IS NULL THEN j.errors
-                          ELSE j.errors || jsonb_build_array(jsonb_build_object(
-                                 'attempt', j.attempts, 'dispatch_gen', j.dispatch_gen,
-                                 'at', now(), 'error', f.error))
-                     END,
-            run_at = CASE WHEN f.state = 'pending' THEN now() + f.backoff_ms * interval '1 millisecond'
-                          ELSE j.run_at END,
-            finished_at = CASE WHEN f.state = 'pending' THEN NULL ELSE now() END,
-            run_deadline = NULL,
-            updated_at = now()
-        FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::text[], $5::text[], $6::text[], $7::bigint[])
-             AS f(id, dispatch_gen, attempt, state, result, error, backoff_ms)
-        WHERE j.id = f.id
-          AND j.dispatch_gen = f.dispatch_gen
-          AND j.attempts = f.attempt
-          AND j.state = 'running'
-        RETURNING j.id
-        "#,
-    )
-    .bind(ids)
-    .bind(gens)
-    .bind(attempts)
-    .bind(states)
-    .bind(results)
-    .bind(errors)
-    .bind(backoffs)
-    .fetch_all(executor)
-    .await
+    sqlx::query_as(FINISH_SQL)
+        .bind(ids)
+        .bind(gens)
+        .bind(attempts)
+        .bind(states)
+        .bind(results)
+        .bind(errors)
+        .bind(backoffs)
+        .fetch_all(executor)
+        .await
 }
 
 /// Wakes schedulers waiting on a group whose head just finished.

@@ -1,0 +1,139 @@
+//! The hot statements reach their rows through the index meant for them, whatever the table's
+//! statistics say: their plans, from `EXPLAIN`, on tables shaped the way a busy queue leaves
+//! them. A queue's statistics are always stale (rows change state faster than ANALYZE runs),
+//! and a plan chosen from them cost the claim a sequential scan of the whole table and each
+//! fence a scan of every in-flight row, until these statements were written not to allow it.
+
+use std::time::Duration;
+
+use rowq::store::dispatch::{self, CLAIM_SQL, RELEASE_SQL};
+use rowq::store::run::{self, FINISH_SQL, START_SQL, StartRequest};
+use serde_json::Value;
+use sqlx::PgPool;
+
+/// `EXPLAIN (FORMAT JSON)` of one of rowq's own statements (constants, no outside input).
+fn explain(sql: &str) -> sqlx::AssertSqlSafe<String> {
+    sqlx::AssertSqlSafe(format!("EXPLAIN (FORMAT JSON) {sql}"))
+}
+
+/// Every `(node type, index name)` of a plan, depth first.
+fn nodes(plan: &Value, out: &mut Vec<(String, String)>) {
+    if let Some(node) = plan.get("Node Type").and_then(Value::as_str) {
+        let index = plan.get("Index Name").and_then(Value::as_str).unwrap_or("");
+        out.push((node.to_string(), index.to_string()));
+    }
+    for child in plan.get("Plans").and_then(Value::as_array).into_iter().flatten() {
+        nodes(child, out);
+    }
+}
+
+fn plan_nodes(explained: Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    nodes(&explained[0]["Plan"], &mut out);
+    out
+}
+
+/// `n` pending rows, analyzed while all of them were pending: the statistics a queue's table
+/// has after a burst of enqueues.
+async fn backlog_analyzed_while_pending(pool: &PgPool, n: i64) {
+    sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'noop' FROM generate_series(1, $1)")
+        .bind(n)
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("ANALYZE rowq.jobs").execute(pool).await.unwrap();
+}
+
+fn requests(ids: &[rowq::JobId]) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
+    (ids.iter().map(|id| id.0).collect(), vec![1; ids.len()], vec![60_000; ids.len()])
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statistics_say_nothing_is_in_flight(
+    pool: PgPool,
+) {
+    backlog_analyzed_while_pending(&pool, 5000).await;
+    let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
+    let ids: Vec<_> = claimed.iter().take(10).map(|c| c.id).collect();
+    let (ids, gens, leases) = requests(&ids);
+
+    let fence: Value =
+        sqlx::query_scalar(explain(START_SQL)).bind(&ids).bind(&gens).bind(&leases).fetch_one(&pool).await.unwrap();
+    let release: Value =
+        sqlx::query_scalar(explain(RELEASE_SQL)).bind(&ids).bind(&gens).fetch_one(&pool).await.unwrap();
+    for (name, explained) in [("fence", fence), ("release", release)] {
+        let nodes = plan_nodes(explained);
+        assert!(
+            nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
+            "the {name} does not look its rows up by primary key: {nodes:?}"
+        );
+        assert!(
+            nodes.iter().all(|(node, index)| (index.is_empty() || index == "jobs_pkey") && node != "Seq Scan"),
+            "the {name} scans more than the batch's rows: {nodes:?}"
+        );
+    }
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_is_running(pool: PgPool) {
+    backlog_analyzed_while_pending(&pool, 5000).await;
+    let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
+    let starts: Vec<StartRequest> = claimed
+        .iter()
+        .map(|c| StartRequest { id: c.id, dispatch_gen: c.dispatch_gen, lease: Duration::from_secs(60) })
+        .collect();
+    assert_eq!(run::start(&pool, &starts).await.unwrap().len(), 2000);
+
+    let ids: Vec<i64> = claimed.iter().take(10).map(|c| c.id.0).collect();
+    let explained: Value = sqlx::query_scalar(explain(FINISH_SQL))
+        .bind(&ids)
+        .bind(vec![1_i64; 10])
+        .bind(vec![1_i32; 10])
+        .bind(vec!["succeeded"; 10])
+        .bind(vec![Some("null"); 10])
+        .bind(vec![None::<String>; 10])
+        .bind(vec![0_i64; 10])
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let nodes = plan_nodes(explained);
+    assert!(
+        nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
+        "the finish does not look its rows up by primary key: {nodes:?}"
+    );
+    assert!(
+        nodes.iter().all(|(node, index)| (index.is_empty() || index == "jobs_pkey") && node != "Seq Scan"),
+        "the finish scans more than the batch's rows: {nodes:?}"
+    );
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finished_rows(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, state, finished_at) SELECT 'noop', 'succeeded', now() FROM generate_series(1, 50000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // A deep backlog: with a `LIMIT` it cannot evaluate, the planner expects a tenth of it.
+    backlog_analyzed_while_pending(&pool, 20_000).await;
+
+    let explained: Value = sqlx::query_scalar(explain(CLAIM_SQL))
+        .bind("default")
+        .bind(100_i64)
+        .bind(60_000_i64)
+        .bind(1000_i64)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let nodes = plan_nodes(explained);
+    assert!(nodes.iter().all(|(node, _)| node != "Seq Scan"), "the claim scans the whole table: {nodes:?}");
+    assert!(
+        nodes.iter().any(|(_, index)| index == "jobs_claim_idx"),
+        "the claim does not read the pending index: {nodes:?}"
+    );
+    assert!(
+        nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
+        "the claim's UPDATE does not find its rows by primary key: {nodes:?}"
+    );
+}
