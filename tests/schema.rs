@@ -126,3 +126,35 @@ async fn migrations_apply_twice_without_change(pool: PgPool) {
     store::migrate(&pool).await.unwrap();
     store::migrate(&pool).await.unwrap();
 }
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn row_updates_evaluate_no_costly_check_and_writes_still_do(pool: PgPool) {
+    // Postgres evaluates every table CHECK on every UPDATE; rowq updates each job three times.
+    // The costly rules (regular expressions, the payload's serialised size) must be domain
+    // constraints, which run only when a value is written.
+    let table_checks: Vec<(String, String)> = sqlx::query_as(
+        "SELECT conname::text, pg_get_constraintdef(oid) FROM pg_constraint
+         WHERE conrelid = 'rowq.jobs'::regclass AND contype = 'c'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    for (name, definition) in &table_checks {
+        assert!(
+            !definition.contains('~') && !definition.contains("payload"),
+            "table CHECK {name} runs on every state change: {definition}"
+        );
+    }
+    // A row stored before a rule existed keeps moving through its states: no UPDATE re-checks
+    // the kind. (A table CHECK, even NOT VALID, would refuse the claim below.)
+    let id = common::enqueue(&pool, "legacy-kind", json!({})).await;
+    sqlx::query("ALTER DOMAIN rowq.job_kind ADD CONSTRAINT no_legacy_kinds CHECK (VALUE NOT LIKE 'legacy%') NOT VALID")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let claimed = store::dispatch::claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(claimed.iter().map(|c| c.id).collect::<Vec<_>>(), vec![id]);
+    // ...while a write of the column is checked.
+    let error = sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('legacy-two')").execute(&pool).await.unwrap_err();
+    assert!(error.to_string().contains("no_legacy_kinds"), "{error}");
+}
