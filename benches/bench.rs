@@ -29,6 +29,20 @@ use tokio::sync::watch;
 
 type Error = Box<dyn std::error::Error>;
 
+/// Every workload, in the order a full run takes them.
+const WORKLOADS: [&str; 10] = [
+    "enqueue",
+    "sql-floor",
+    "dispatch-memory",
+    "drain-memory",
+    "latency-floor",
+    "latency-memory",
+    "raw-localstack",
+    "dispatch-localstack",
+    "drain-localstack",
+    "latency-localstack",
+];
+
 struct Settings {
     n: i64,
     c: usize,
@@ -68,38 +82,22 @@ async fn run() -> Result<(), Error> {
         results.push(value);
     };
 
-    // BENCH_ONLY=drain-memory,sql-floor runs just those (names as in this list).
+    // BENCH_ONLY=drain-memory,sql-floor runs just those, in this order.
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     let wanted = |name: &str| only.is_empty() || only.split(',').any(|w| w.trim() == name);
-    if wanted("enqueue") {
-        emit(enqueue(&settings).await?);
-    }
-    if wanted("sql-floor") {
-        emit(sql_floor(&settings).await?);
-    }
-    if wanted("dispatch-memory") {
-        emit(dispatch_memory(&settings).await?);
-    }
-    if wanted("drain-memory") {
-        emit(drain_memory(&settings).await?);
-    }
-    if wanted("latency-floor") {
-        emit(latency_floor(&settings).await?);
-    }
-    if wanted("latency-memory") {
-        emit(latency_memory(&settings).await?);
-    }
-    if wanted("raw-localstack") {
-        emit(raw_localstack(&settings).await?);
-    }
-    if wanted("dispatch-localstack") {
-        emit(dispatch_localstack(&settings).await?);
-    }
-    if wanted("drain-localstack") {
-        emit(drain_localstack(&settings).await?);
-    }
-    if wanted("latency-localstack") {
-        emit(latency_localstack(&settings).await?);
+    for name in WORKLOADS.into_iter().filter(|name| wanted(name)) {
+        emit(match name {
+            "enqueue" => enqueue(&settings).await?,
+            "sql-floor" => sql_floor(&settings).await?,
+            "dispatch-memory" => dispatch_memory(&settings).await?,
+            "drain-memory" => drain_memory(&settings).await?,
+            "latency-floor" => latency_floor(&settings).await?,
+            "latency-memory" => latency_memory(&settings).await?,
+            "raw-localstack" => raw_localstack(&settings).await?,
+            "dispatch-localstack" => dispatch_localstack(&settings).await?,
+            "drain-localstack" => drain_localstack(&settings).await?,
+            _ => latency_localstack(&settings).await?,
+        });
     }
 
     report(&results);

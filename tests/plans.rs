@@ -33,6 +33,19 @@ fn plan_nodes(explained: Value) -> Vec<(String, String)> {
     out
 }
 
+/// The statement looks its rows up by primary key and reads no other index and no whole table.
+fn assert_reads_only_its_batch(name: &str, explained: Value) {
+    let nodes = plan_nodes(explained);
+    assert!(
+        nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
+        "the {name} does not look its rows up by primary key: {nodes:?}"
+    );
+    assert!(
+        nodes.iter().all(|(node, index)| (index.is_empty() || index == "jobs_pkey") && node != "Seq Scan"),
+        "the {name} scans more than the batch's rows: {nodes:?}"
+    );
+}
+
 /// `n` pending rows, analyzed while all of them were pending: the statistics a queue's table
 /// has after a burst of enqueues.
 async fn backlog_analyzed_while_pending(pool: &PgPool, n: i64) {
@@ -61,17 +74,8 @@ async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statisti
         sqlx::query_scalar(explain(START_SQL)).bind(&ids).bind(&gens).bind(&leases).fetch_one(&pool).await.unwrap();
     let release: Value =
         sqlx::query_scalar(explain(RELEASE_SQL)).bind(&ids).bind(&gens).fetch_one(&pool).await.unwrap();
-    for (name, explained) in [("fence", fence), ("release", release)] {
-        let nodes = plan_nodes(explained);
-        assert!(
-            nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
-            "the {name} does not look its rows up by primary key: {nodes:?}"
-        );
-        assert!(
-            nodes.iter().all(|(node, index)| (index.is_empty() || index == "jobs_pkey") && node != "Seq Scan"),
-            "the {name} scans more than the batch's rows: {nodes:?}"
-        );
-    }
+    assert_reads_only_its_batch("fence", fence);
+    assert_reads_only_its_batch("release", release);
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
@@ -96,15 +100,7 @@ async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_i
         .fetch_one(&pool)
         .await
         .unwrap();
-    let nodes = plan_nodes(explained);
-    assert!(
-        nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
-        "the finish does not look its rows up by primary key: {nodes:?}"
-    );
-    assert!(
-        nodes.iter().all(|(node, index)| (index.is_empty() || index == "jobs_pkey") && node != "Seq Scan"),
-        "the finish scans more than the batch's rows: {nodes:?}"
-    );
+    assert_reads_only_its_batch("finish", explained);
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
