@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use rowq::store::dispatch::{self, CLAIM_SQL, RELEASE_SQL};
+use rowq::store::maintenance::{RESCUE_DISPATCHED_SQL, RESCUE_RUNNING_SQL};
 use rowq::store::run::{self, FINISH_SQL, START_SQL, StartRequest};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -57,6 +58,15 @@ async fn backlog_analyzed_while_pending(pool: &PgPool, n: i64) {
     sqlx::query("ANALYZE rowq.jobs").execute(pool).await.unwrap();
 }
 
+/// Fences every claimed row (`dispatched → running`); returns how many started.
+async fn start(pool: &PgPool, claimed: &[dispatch::Claimed]) -> usize {
+    let starts: Vec<StartRequest> = claimed
+        .iter()
+        .map(|c| StartRequest { id: c.id, dispatch_gen: c.dispatch_gen, lease: Duration::from_secs(60) })
+        .collect();
+    run::start(pool, &starts).await.unwrap().len()
+}
+
 fn requests(ids: &[rowq::JobId]) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
     (ids.iter().map(|id| id.0).collect(), vec![1; ids.len()], vec![60_000; ids.len()])
 }
@@ -82,11 +92,7 @@ async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statisti
 async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_is_running(pool: PgPool) {
     backlog_analyzed_while_pending(&pool, 5000).await;
     let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
-    let starts: Vec<StartRequest> = claimed
-        .iter()
-        .map(|c| StartRequest { id: c.id, dispatch_gen: c.dispatch_gen, lease: Duration::from_secs(60) })
-        .collect();
-    assert_eq!(run::start(&pool, &starts).await.unwrap().len(), 2000);
+    assert_eq!(start(&pool, &claimed).await, 2000);
 
     let ids: Vec<i64> = claimed.iter().take(10).map(|c| c.id.0).collect();
     let explained: Value = sqlx::query_scalar(explain(FINISH_SQL))
@@ -132,4 +138,27 @@ async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finishe
         nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
         "the claim's UPDATE does not find its rows by primary key: {nodes:?}"
     );
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_rescues_update_the_rescued_rows_by_primary_key_while_statistics_say_no_row_is_stuck(pool: PgPool) {
+    backlog_analyzed_while_pending(&pool, 5000).await;
+    let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(start(&pool, &claimed[..1000]).await, 1000);
+
+    let dispatched: Value =
+        sqlx::query_scalar(explain(RESCUE_DISPATCHED_SQL)).bind(1000_i64).fetch_one(&pool).await.unwrap();
+    let running: Value =
+        sqlx::query_scalar(explain(RESCUE_RUNNING_SQL)).bind(1000_i64).bind(1000_i64).fetch_one(&pool).await.unwrap();
+    for (name, explained) in [("dispatched", dispatched), ("running", running)] {
+        let nodes = plan_nodes(explained);
+        assert!(
+            nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
+            "the rescue of {name} rows does not update them by primary key: {nodes:?}"
+        );
+        assert!(
+            nodes.iter().all(|(node, _)| node != "Seq Scan"),
+            "the rescue of {name} rows scans the table: {nodes:?}"
+        );
+    }
 }

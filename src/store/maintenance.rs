@@ -9,7 +9,9 @@ use crate::job::{JobId, JobState};
 
 // Each statement below reaches its rows through `id = ANY (ARRAY(...))` of a locking subquery,
 // which the planner turns into primary-key lookups; a join or `IN` may become a hash join over
-// a sequential scan of the whole table (see `dispatch::claim_due_within`).
+// a sequential scan of the whole table (see `dispatch::claim_due_within`). The rescues' state
+// guard is on `state::text`, as in `run::start`: with stale statistics the planner otherwise
+// reads the whole partial index of that state instead of the rescued ids.
 
 /// Rows moved per statement, so one rescue never holds many locks for long.
 pub const RESCUE_BATCH: i64 = 1000;
@@ -24,13 +26,8 @@ pub struct Rescued {
     pub state: JobState,
 }
 
-/// `dispatched → pending` for rows whose `dispatch_deadline` passed: the scheduler crashed
-/// between claim and publish, or the message was lost or outlived its lease. The next claim
-/// gives a new generation, so the old message, if it still arrives, matches nothing.
-/// No attempt was consumed; a row whose attempts are somehow used up goes to `failed`.
-pub async fn rescue_dispatched(pool: &PgPool) -> Result<Vec<Rescued>, sqlx::Error> {
-    sqlx::query_as(
-        r#"
+/// The statement of [`rescue_dispatched`] (public so that tests can `EXPLAIN` it).
+pub const RESCUE_DISPATCHED_SQL: &str = r#"
         WITH stuck AS (
             SELECT id FROM rowq.jobs
             WHERE state = 'dispatched' AND dispatch_deadline < now()
@@ -46,21 +43,20 @@ pub async fn rescue_dispatched(pool: &PgPool) -> Result<Vec<Rescued>, sqlx::Erro
                               ELSE 'attempts used up; last dispatch was never started' END,
             dispatch_deadline = NULL,
             updated_at = now()
-        WHERE j.id = ANY (ARRAY(SELECT id FROM stuck)) AND j.state = 'dispatched'
+        WHERE j.id = ANY (ARRAY(SELECT id FROM stuck)) AND j.state::text = 'dispatched'
         RETURNING j.id, j.dispatch_gen, j.state
-        "#,
-    )
-    .bind(RESCUE_BATCH)
-    .fetch_all(pool)
-    .await
+        "#;
+
+/// `dispatched → pending` for rows whose `dispatch_deadline` passed: the scheduler crashed
+/// between claim and publish, or the message was lost or outlived its lease. The next claim
+/// gives a new generation, so the old message, if it still arrives, matches nothing.
+/// No attempt was consumed; a row whose attempts are somehow used up goes to `failed`.
+pub async fn rescue_dispatched(pool: &PgPool) -> Result<Vec<Rescued>, sqlx::Error> {
+    sqlx::query_as(RESCUE_DISPATCHED_SQL).bind(RESCUE_BATCH).fetch_all(pool).await
 }
 
-/// `running → pending | failed` for rows whose `run_deadline` passed: the worker was killed
-/// or lost its database connection. The error is recorded as a failed attempt. The worker,
-/// if it is somehow still alive, can no longer finish: its guard needs `state = 'running'`.
-pub async fn rescue_running(pool: &PgPool, retry_delay: Duration) -> Result<Vec<Rescued>, sqlx::Error> {
-    sqlx::query_as(
-        r#"
+/// The statement of [`rescue_running`] (public so that tests can `EXPLAIN` it).
+pub const RESCUE_RUNNING_SQL: &str = r#"
         WITH stuck AS (
             SELECT id FROM rowq.jobs
             WHERE state = 'running' AND run_deadline < now()
@@ -83,14 +79,15 @@ pub async fn rescue_running(pool: &PgPool, retry_delay: Duration) -> Result<Vec<
             run_deadline = NULL,
             updated_at = now()
         FROM reason
-        WHERE j.id = ANY (ARRAY(SELECT id FROM stuck)) AND j.state = 'running'
+        WHERE j.id = ANY (ARRAY(SELECT id FROM stuck)) AND j.state::text = 'running'
         RETURNING j.id, j.dispatch_gen, j.state
-        "#,
-    )
-    .bind(RESCUE_BATCH)
-    .bind(millis(retry_delay))
-    .fetch_all(pool)
-    .await
+        "#;
+
+/// `running → pending | failed` for rows whose `run_deadline` passed: the worker was killed
+/// or lost its database connection. The error is recorded as a failed attempt. The worker,
+/// if it is somehow still alive, can no longer finish: its guard needs `state = 'running'`.
+pub async fn rescue_running(pool: &PgPool, retry_delay: Duration) -> Result<Vec<Rescued>, sqlx::Error> {
+    sqlx::query_as(RESCUE_RUNNING_SQL).bind(RESCUE_BATCH).bind(millis(retry_delay)).fetch_all(pool).await
 }
 
 /// Deletes up to [`PRUNE_BATCH`] finished rows (succeeded, failed, cancelled) that finished
