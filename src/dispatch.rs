@@ -98,16 +98,8 @@ impl<P: Publisher> Scheduler<P> {
             ..DispatchReport::default()
         };
         if !report.full {
-            // Fewer than a batch: nothing more is due, or the cap held the claim back. The claim
-            // returns the count it used; only an empty claim needs a round trip of its own (and
-            // then there is nothing to publish, so it costs no latency).
-            let in_flight = match in_flight_before {
-                Some(before) => before + claimed.len() as i64,
-                None => {
-                    store::dispatch::in_flight(&self.pool, queue).await.map_err(db_error("count in-flight jobs"))?
-                }
-            };
-            report.capped = in_flight >= i64::from(cap);
+            // Fewer than a batch: nothing more is due, or the cap held the claim back.
+            report.capped = in_flight_before + claimed.len() as i64 >= i64::from(cap);
         }
         for job in &claimed {
             tracing::info!(

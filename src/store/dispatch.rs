@@ -58,27 +58,34 @@ pub const CLAIM_SQL: &str = r#"
             ORDER BY j.priority DESC, j.run_at, j.id
             LIMIT least($2, greatest(0, $4 - (SELECT n FROM in_flight)))
             FOR UPDATE SKIP LOCKED
+        ),
+        claimed AS (
+            UPDATE rowq.jobs j
+            SET state = 'dispatched',
+                dispatch_gen = j.dispatch_gen + 1,
+                dispatch_deadline = now() + $3 * interval '1 millisecond',
+                updated_at = now()
+            WHERE j.id = ANY (ARRAY(SELECT id FROM due))
+            RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at
         )
-        UPDATE rowq.jobs j
-        SET state = 'dispatched',
-            dispatch_gen = j.dispatch_gen + 1,
-            dispatch_deadline = now() + $3 * interval '1 millisecond',
-            updated_at = now()
-        WHERE j.id = ANY (ARRAY(SELECT id FROM due))
-        RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at, (SELECT n FROM in_flight)
+        SELECT c.id, c.dispatch_gen, c.group_key, c.created_at, in_flight.n
+        FROM in_flight LEFT JOIN claimed c ON true
+        ORDER BY c.priority DESC, c.run_at, c.id
         "#;
 
 /// [`claim_due`], taking no more rows than leave fewer than `max_in_flight` rows of the queue
 /// `dispatched` (backpressure), counted in the same statement: one round trip per claim.
-/// Also returns that count (before the claim) when any row was claimed.
+/// Returns the claimed rows in claim order (priority, run_at, id) and the in-flight count the
+/// claim saw before it claimed; the statement returns one row with that count and no job when
+/// it claims nothing, so an empty claim needs no second query.
 pub async fn claim_due_within(
     pool: &PgPool,
     queue: &str,
     limit: u32,
     max_in_flight: u32,
     lease: Duration,
-) -> Result<(Vec<Claimed>, Option<i64>), sqlx::Error> {
-    type Row = (JobId, i64, Option<String>, DateTime<Utc>, i16, DateTime<Utc>, i64);
+) -> Result<(Vec<Claimed>, i64), sqlx::Error> {
+    type Row = (Option<JobId>, Option<i64>, Option<String>, Option<DateTime<Utc>>, i64);
     let rows: Vec<Row> = sqlx::query_as(CLAIM_SQL)
         .bind(queue)
         .bind(i64::from(limit))
@@ -86,16 +93,14 @@ pub async fn claim_due_within(
         .bind(i64::from(max_in_flight))
         .fetch_all(pool)
         .await?;
-    let in_flight_before = rows.first().map(|row| row.6);
-    let mut claimed: Vec<(Claimed, i16, DateTime<Utc>)> = rows
+    let in_flight_before = rows.first().map_or(0, |row| row.4);
+    let claimed = rows
         .into_iter()
-        .map(|(id, dispatch_gen, group_key, created_at, priority, run_at, _)| {
-            (Claimed { id, dispatch_gen, group_key, created_at }, priority, run_at)
+        .filter_map(|(id, dispatch_gen, group_key, created_at, _)| {
+            Some(Claimed { id: id?, dispatch_gen: dispatch_gen?, group_key, created_at: created_at? })
         })
         .collect();
-    // RETURNING has no order of its own; publish in the order the claim chose.
-    claimed.sort_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.id.cmp(&b.0.id)));
-    Ok((claimed.into_iter().map(|(job, _, _)| job).collect(), in_flight_before))
+    Ok((claimed, in_flight_before))
 }
 
 /// The statement of [`release`] (public so that tests can `EXPLAIN` it).
@@ -117,14 +122,6 @@ pub async fn release(pool: &PgPool, jobs: &[(JobId, i64)]) -> Result<Vec<JobId>,
     let ids: Vec<i64> = jobs.iter().map(|(id, _)| id.0).collect();
     let gens: Vec<i64> = jobs.iter().map(|(_, dispatch_gen)| *dispatch_gen).collect();
     sqlx::query_scalar(RELEASE_SQL).bind(ids).bind(gens).fetch_all(pool).await
-}
-
-/// Rows of `queue` that are `dispatched` now: the in-flight count backpressure is based on.
-pub async fn in_flight(pool: &PgPool, queue: &str) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'")
-        .bind(queue)
-        .fetch_one(pool)
-        .await
 }
 
 /// The earliest `run_at` in the future among pending rows of `queue`: when to wake up next.
