@@ -205,13 +205,7 @@ impl Worker {
         // writes are discarded: only a success commits.
         let recorded = match tx {
             Some(mut tx) if matches!(outcome, Outcome::Succeeded { .. }) => {
-                let finish = Finish {
-                    id: job.id,
-                    dispatch_gen: job.dispatch_gen,
-                    attempt: job.attempt,
-                    outcome: outcome.clone(),
-                };
-                match run::finish(&mut *tx, &[finish]).await {
+                match run::finish(&mut *tx, &[finish_of(&job, &outcome)]).await {
                     Ok(recorded) if recorded.is_empty() => Recorded::Superseded, // dropped: rolled back
                     Ok(_) => match tx.commit().await {
                         Ok(()) => Recorded::Committed,
@@ -239,7 +233,7 @@ impl Worker {
         let (pending, done): (Vec<&Execution>, Vec<&Execution>) =
             executions.iter().partition(|e| matches!(e.recorded, Recorded::Pending));
 
-        let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(e)).collect();
+        let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(&e.job, &e.outcome)).collect();
         match run::finish(&self.pool, &finishes).await {
             Ok(recorded) => {
                 let recorded: HashSet<Finished> = recorded.into_iter().collect();
@@ -287,13 +281,9 @@ impl Execution {
     }
 }
 
-fn finish_of(execution: &Execution) -> Finish {
-    Finish {
-        id: execution.job.id,
-        dispatch_gen: execution.job.dispatch_gen,
-        attempt: execution.job.attempt,
-        outcome: execution.outcome.clone(),
-    }
+/// The finish that records `outcome` for the execution `job`.
+fn finish_of(job: &Started, outcome: &Outcome) -> Finish {
+    Finish { id: job.id, dispatch_gen: job.dispatch_gen, attempt: job.attempt, outcome: outcome.clone() }
 }
 
 fn log_finished(execution: &Execution) {
