@@ -473,36 +473,7 @@ async fn raw_localstack(settings: &Settings) -> Result<Value, Error> {
             let (client, url, received) = (client.clone(), queues.queue_url.clone(), received.clone());
             tokio::spawn(async move {
                 while received.load(Ordering::Relaxed) < total {
-                    let output = client
-                        .receive_message()
-                        .queue_url(&url)
-                        .max_number_of_messages(10)
-                        .wait_time_seconds(1)
-                        .send()
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let messages = output.messages.unwrap_or_default();
-                    if messages.is_empty() {
-                        continue;
-                    }
-                    let entries = messages
-                        .iter()
-                        .enumerate()
-                        .map(|(i, m)| {
-                            aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
-                                .id(i.to_string())
-                                .receipt_handle(m.receipt_handle().unwrap_or_default())
-                                .build()
-                        })
-                        .collect::<Result<Vec<_>, _>>()
-                        .map_err(|e| e.to_string())?;
-                    client
-                        .delete_message_batch()
-                        .queue_url(&url)
-                        .set_entries(Some(entries))
-                        .send()
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let messages = common::receive_and_delete(&client, &url).await?;
                     received.fetch_add(messages.len(), Ordering::Relaxed);
                 }
                 Ok::<_, String>(())

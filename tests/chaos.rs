@@ -21,8 +21,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rowq::config::{Env, EventSourceConfig, SchedulerConfig, WorkerConfig};
 use rowq::pipeline::{Pipeline, PipelineConfig};
-use rowq::{JobContext, JobError, Registry, Worker};
-use serde::Deserialize;
+use rowq::{Registry, Worker};
 use sqlx::PgPool;
 use sqlx::migrate::MigrateDatabase;
 use tokio::net::{TcpListener, TcpStream};
@@ -56,32 +55,6 @@ fn main() -> ExitCode {
 
 // ---- the jobs -----------------------------------------------------------------------------
 
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Effect {
-    sleep_ms: u64,
-    fail_first: i32,
-    permanent: bool,
-}
-
-/// One effect row per execution, written through the job's transaction; it commits only with
-/// the job's success.
-async fn effect(ctx: JobContext, input: Effect) -> Result<i32, JobError> {
-    sqlx::query("INSERT INTO chaos_effects (job_id, attempt) VALUES ($1, $2)")
-        .bind(ctx.job_id)
-        .bind(ctx.attempt)
-        .execute(&mut **ctx.tx().await?)
-        .await?;
-    tokio::time::sleep(Duration::from_millis(input.sleep_ms)).await;
-    if input.permanent {
-        return Err(JobError::permanent("doomed on purpose"));
-    }
-    if ctx.attempt <= input.fail_first {
-        return Err(JobError::retryable(format!("failing attempt {} on purpose", ctx.attempt)));
-    }
-    Ok(ctx.attempt)
-}
-
 /// A runner process: the worker and the DLQ handler behind the local event source.
 async fn runner() -> ExitCode {
     rowq::telemetry::init_with_default(rowq::telemetry::LogFormat::Text, "warn");
@@ -99,7 +72,7 @@ async fn runner() -> ExitCode {
         eprintln!("runner: cannot connect");
         return ExitCode::FAILURE;
     };
-    let registry = Registry::new().register("effect", effect);
+    let registry = Registry::new().register("effect", common::effect);
     let worker = Worker::new(pool.clone(), registry, worker_config);
     let client = rowq::sqs::client().await;
     let config = PipelineConfig { scheduler, event_source: source, schedulers: 0 };
@@ -185,9 +158,7 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
         .connect(database_url)
         .await?;
     rowq::store::migrate(&pool).await?;
-    sqlx::query("CREATE TABLE chaos_effects (job_id bigint NOT NULL, attempt int NOT NULL, UNIQUE (job_id, attempt))")
-        .execute(&pool)
-        .await?;
+    common::create_effects(&pool).await;
     let sqs = common::sqs().await;
     let queues = common::queues(&sqs, 10, Duration::from_secs(30)).await;
 
@@ -220,18 +191,14 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
         match roll {
             0..=19 => {
                 let i = rng.random_range(0..schedulers.len());
-                let _ = schedulers[i].start_kill();
-                let _ = schedulers[i].wait().await;
                 spawned += 1;
-                schedulers[i] = spawn_scheduler(&world, spawned)?;
+                replace(&mut schedulers[i], || spawn_scheduler(&world, spawned)).await?;
                 faults.add("SIGKILL a scheduler (restarted)", 1);
             }
             20..=44 => {
                 let i = rng.random_range(0..runners.len());
-                let _ = runners[i].start_kill();
-                let _ = runners[i].wait().await;
                 spawned += 1;
-                runners[i] = spawn_runner(&world, spawned)?;
+                replace(&mut runners[i], || spawn_runner(&world, spawned)).await?;
                 faults.add("SIGKILL a runner (restarted)", 1);
             }
             45..=59 => {
@@ -376,6 +343,14 @@ fn child_env(world: &World, command: &mut Command, name: &str) -> Result<(), Err
     Ok(())
 }
 
+/// SIGKILLs a child process and puts the one `spawn` starts in its place.
+async fn replace(child: &mut Child, spawn: impl FnOnce() -> Result<Child, Error>) -> Result<(), Error> {
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    *child = spawn()?;
+    Ok(())
+}
+
 fn spawn_scheduler(world: &World, n: usize) -> Result<Child, Error> {
     let mut command = Command::new(env!("CARGO_BIN_EXE_scheduler"));
     child_env(world, &mut command, &format!("scheduler-{n}"))?;
@@ -510,12 +485,11 @@ async fn check_invariants(
         format!("{wrong} wrong; {failed} failed in all"),
     ));
     let doubled =
-        count("SELECT count(*) FROM (SELECT job_id FROM chaos_effects GROUP BY job_id HAVING count(*) > 1) AS d")
-            .await?;
+        count("SELECT count(*) FROM (SELECT job_id FROM effects GROUP BY job_id HAVING count(*) > 1) AS d").await?;
     checks.push(("no job has two committed effects (no double execution)", doubled == 0, format!("{doubled} jobs")));
     let missing = count(
         "SELECT count(*) FROM rowq.jobs j WHERE j.state = 'succeeded' \
-         AND NOT EXISTS (SELECT 1 FROM chaos_effects e WHERE e.job_id = j.id AND e.attempt = j.attempts)",
+         AND NOT EXISTS (SELECT 1 FROM effects e WHERE e.job_id = j.id AND e.attempt = j.attempts)",
     )
     .await?;
     checks.push((
@@ -524,11 +498,11 @@ async fn check_invariants(
         format!("{missing} jobs"),
     ));
     let leaked =
-        count("SELECT count(*) FROM chaos_effects e JOIN rowq.jobs j ON j.id = e.job_id WHERE j.state <> 'succeeded'")
+        count("SELECT count(*) FROM effects e JOIN rowq.jobs j ON j.id = e.job_id WHERE j.state <> 'succeeded'")
             .await?;
     checks.push(("failed attempts committed nothing", leaked == 0, format!("{leaked} effects")));
     let over = count(
-        "SELECT count(*) FROM rowq.jobs j WHERE (SELECT count(*) FROM chaos_effects e WHERE e.job_id = j.id) > j.attempts",
+        "SELECT count(*) FROM rowq.jobs j WHERE (SELECT count(*) FROM effects e WHERE e.job_id = j.id) > j.attempts",
     )
     .await?;
     checks.push(("no job has more effects than attempts", over == 0, format!("{over} jobs")));

@@ -10,50 +10,18 @@ use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use rowq::store::admin::{self, NewJob};
 use rowq::store::dispatch::claim_due;
 use rowq::store::run::{Finish, Outcome, StartRequest, finish, start};
-use rowq::{
-    JobContext, JobError, JobId, JobMessage, JobState, MemoryPublisher, Registry, Scheduler, Worker, maintenance,
-};
-use serde::Deserialize;
+use rowq::{JobContext, JobId, JobMessage, JobState, MemoryPublisher, Registry, Scheduler, Worker, maintenance};
 use serde_json::json;
 use sqlx::PgPool;
 
 const MEMORY_URL: &str = "memory://jobs.fifo";
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Effect {
-    /// Fail (retryably) the first N attempts, after writing the effect.
-    fail_first: i32,
-    sleep_ms: u64,
-}
-
-/// Writes one row per execution into `effects` through the job's transaction.
-async fn effect(ctx: JobContext, input: Effect) -> Result<i32, JobError> {
-    sqlx::query("INSERT INTO effects (job_id, attempt) VALUES ($1, $2)")
-        .bind(ctx.job_id)
-        .bind(ctx.attempt)
-        .execute(&mut **ctx.tx().await?)
-        .await?;
-    tokio::time::sleep(Duration::from_millis(input.sleep_ms)).await;
-    if ctx.attempt <= input.fail_first {
-        return Err(JobError::retryable(format!("effect fails attempt {}", ctx.attempt)));
-    }
-    Ok(ctx.attempt)
-}
-
-async fn create_effects(pool: &PgPool) {
-    sqlx::query("CREATE TABLE effects (job_id bigint NOT NULL, attempt int NOT NULL, UNIQUE (job_id, attempt))")
-        .execute(pool)
-        .await
-        .unwrap();
-}
 
 async fn effects_of(pool: &PgPool, id: JobId) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM effects WHERE job_id = $1").bind(id).fetch_one(pool).await.unwrap()
 }
 
 fn registry() -> Registry {
-    Registry::builtin().register("effect", effect).register_with_timeout(
+    Registry::builtin().register("effect", common::effect).register_with_timeout(
         "slow",
         Duration::from_millis(200),
         |_: JobContext, _: serde_json::Value| async {
@@ -122,7 +90,7 @@ async fn run_to_end(pool: &PgPool, worker: &Worker, id: JobId) -> admin::JobRow 
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_job_runs_once_and_its_result_and_its_writes_commit_together(pool: PgPool) {
-    create_effects(&pool).await;
+    common::create_effects(&pool).await;
     let id = common::enqueue(&pool, "effect", json!({})).await;
     let echo = common::enqueue(&pool, "echo", json!({"hello": "world"})).await;
     assert_eq!(dispatch_and_run(&pool, &worker(&pool)).await, 2);
@@ -135,7 +103,7 @@ async fn a_job_runs_once_and_its_result_and_its_writes_commit_together(pool: PgP
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_message_delivered_twice_in_one_batch_or_in_two_runs_the_job_once(pool: PgPool) {
-    create_effects(&pool).await;
+    common::create_effects(&pool).await;
     let worker = worker(&pool);
     let id = common::enqueue(&pool, "effect", json!({})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
@@ -151,7 +119,7 @@ async fn a_message_delivered_twice_in_one_batch_or_in_two_runs_the_job_once(pool
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_stale_generation_arriving_after_a_rescue_is_acknowledged_without_running(pool: PgPool) {
-    create_effects(&pool).await;
+    common::create_effects(&pool).await;
     let worker = worker(&pool);
     let id = common::enqueue(&pool, "effect", json!({})).await;
     claim_due(&pool, "default", 1, Duration::from_millis(1)).await.unwrap();
@@ -184,7 +152,7 @@ async fn a_cancelled_job_whose_message_arrives_does_not_run(pool: PgPool) {
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn job_errors_retry_with_backoff_then_succeed_and_fail_when_attempts_run_out(pool: PgPool) {
-    create_effects(&pool).await;
+    common::create_effects(&pool).await;
     let worker = worker(&pool);
     let flaky = common::enqueue(&pool, "fail", json!({"times": 2})).await;
     dispatch_and_run(&pool, &worker).await;
@@ -302,7 +270,7 @@ async fn malformed_messages_are_acknowledged_and_the_rest_of_the_batch_runs(pool
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_worker_killed_mid_job_is_taken_over_by_the_redelivered_message_and_the_job_finishes_once(pool: PgPool) {
-    create_effects(&pool).await;
+    common::create_effects(&pool).await;
     let id = common::enqueue(&pool, "effect", json!({})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     // The first worker passed the fence and was killed: nothing of it committed but the fence.
@@ -336,7 +304,7 @@ async fn a_worker_killed_mid_job_is_taken_over_by_the_redelivered_message_and_th
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_taken_over_execution_cannot_commit_its_writes(pool: PgPool) {
-    create_effects(&pool).await;
+    common::create_effects(&pool).await;
     let id = common::enqueue(&pool, "effect", json!({"sleep_ms": 600})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let body = message(id, claimed[0].dispatch_gen);
@@ -368,7 +336,7 @@ async fn a_taken_over_execution_cannot_commit_its_writes(pool: PgPool) {
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_job_whose_worker_died_is_rescued_by_maintenance_and_runs_again(pool: PgPool) {
-    create_effects(&pool).await;
+    common::create_effects(&pool).await;
     let id = admin::enqueue(&pool, &NewJob { max_attempts: Some(2), ..NewJob::new("effect", json!({})) })
         .await
         .unwrap()
@@ -528,7 +496,7 @@ async fn a_batch_of_transactional_jobs_larger_than_the_pool_still_runs_in_one_at
     // through its transaction holds a connection: it must give it back as soon as it is done,
     // not at the end of the batch, or the others wait out their timeout.
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(database).await.unwrap();
-    create_effects(&pool).await;
+    common::create_effects(&pool).await;
     let mut config = common::worker_config();
     config.job_timeout = Duration::from_secs(3);
     let worker = Worker::new(pool.clone(), registry(), config);

@@ -9,7 +9,7 @@ use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
 use rowq::config::{DatabaseConfig, SchedulerConfig, WorkerConfig};
 use rowq::sqs::{QueuePair, QueueSpec};
 use rowq::store::admin::{self, JobRow, NewJob};
-use rowq::{JobId, JobState};
+use rowq::{JobContext, JobError, JobId, JobState};
 use sqlx::PgPool;
 
 pub const ENDPOINT_DEFAULT: &str = "http://127.0.0.1:4566";
@@ -68,33 +68,51 @@ pub async fn drain_queue(client: &Client, queue_url: &str, quiet: Duration) -> V
     let mut messages = Vec::new();
     let mut last = Instant::now();
     while last.elapsed() < quiet {
-        let output = client
-            .receive_message()
-            .queue_url(queue_url)
-            .max_number_of_messages(10)
-            .wait_time_seconds(1)
-            .send()
-            .await
-            .expect("receive");
-        let received = output.messages.unwrap_or_default();
+        let received = receive_and_delete(client, queue_url).await.expect("receive and delete");
         if received.is_empty() {
             continue;
         }
         last = Instant::now();
-        let mut delete = client.delete_message_batch().queue_url(queue_url);
-        for (i, message) in received.iter().enumerate() {
-            messages.push(rowq::JobMessage::decode(message.body().unwrap_or_default()).expect("a job message"));
-            delete = delete.entries(
-                aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .receipt_handle(message.receipt_handle().unwrap_or_default())
-                    .build()
-                    .expect("entry"),
-            );
-        }
-        delete.send().await.expect("delete");
+        messages.extend(
+            received.iter().map(|m| rowq::JobMessage::decode(m.body().unwrap_or_default()).expect("a job message")),
+        );
     }
     messages
+}
+
+/// One long poll (up to 10 messages, 1 s) and the deletion of what it received.
+pub async fn receive_and_delete(client: &Client, queue_url: &str) -> Result<Vec<aws_sdk_sqs::types::Message>, String> {
+    let output = client
+        .receive_message()
+        .queue_url(queue_url)
+        .max_number_of_messages(10)
+        .wait_time_seconds(1)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let received = output.messages.unwrap_or_default();
+    if received.is_empty() {
+        return Ok(received);
+    }
+    let entries = received
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
+                .id(i.to_string())
+                .receipt_handle(m.receipt_handle().unwrap_or_default())
+                .build()
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    client
+        .delete_message_batch()
+        .queue_url(queue_url)
+        .set_entries(Some(entries))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(received)
 }
 
 /// Scheduler settings for tests: small batches, short intervals.
@@ -191,4 +209,43 @@ pub fn pipeline_config(queues: &QueuePair, pollers: usize, with_dlq: bool) -> ro
         },
         schedulers: 1,
     }
+}
+
+/// The input of [`effect`].
+#[derive(serde::Deserialize, Default)]
+#[serde(default)]
+pub struct Effect {
+    /// Sleep this long after writing the effect.
+    pub sleep_ms: u64,
+    /// Fail (retryably) the first N attempts, after writing the effect.
+    pub fail_first: i32,
+    /// Fail permanently, after writing the effect.
+    pub permanent: bool,
+}
+
+/// A job that writes one row per execution into `effects` (see [`create_effects`]) through its
+/// own transaction: the row commits only with the job's success, so `effects` shows how many
+/// executions committed and which attempt did.
+pub async fn effect(ctx: JobContext, input: Effect) -> Result<i32, JobError> {
+    sqlx::query("INSERT INTO effects (job_id, attempt) VALUES ($1, $2)")
+        .bind(ctx.job_id)
+        .bind(ctx.attempt)
+        .execute(&mut **ctx.tx().await?)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(input.sleep_ms)).await;
+    if input.permanent {
+        return Err(JobError::permanent("doomed on purpose"));
+    }
+    if ctx.attempt <= input.fail_first {
+        return Err(JobError::retryable(format!("effect fails attempt {} on purpose", ctx.attempt)));
+    }
+    Ok(ctx.attempt)
+}
+
+/// The table [`effect`] writes to.
+pub async fn create_effects(pool: &PgPool) {
+    sqlx::query("CREATE TABLE effects (job_id bigint NOT NULL, attempt int NOT NULL, UNIQUE (job_id, attempt))")
+        .execute(pool)
+        .await
+        .unwrap();
 }
