@@ -512,3 +512,23 @@ async fn a_batch_of_transactional_jobs_larger_than_the_pool_still_runs_in_one_at
         sqlx::query_as("SELECT state, attempts FROM rowq.jobs ORDER BY id").fetch_all(&pool).await.unwrap();
     assert!(attempts.iter().all(|a| *a == (JobState::Succeeded, 1)), "{attempts:?}");
 }
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_stalled_execution_cannot_finish_the_run_of_a_job_retried_by_hand_meanwhile(pool: PgPool) {
+    // A retry by hand resets `attempts`, so the new run's first execution has the same attempt
+    // number as the stalled one: only the generation tells them apart.
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let lease = |dispatch_gen| StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) };
+    assert_eq!(start(&pool, &[lease(1)]).await.unwrap().len(), 1);
+    rowq::store::run::dead_letter(&pool, id, 1, "dead-lettered in a test").await.unwrap().unwrap();
+    assert!(rowq::store::admin::retry(&pool, id).await.unwrap().is_some());
+    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let rerun = start(&pool, &[lease(2)]).await.unwrap();
+    assert_eq!((rerun.len(), rerun[0].attempt), (1, 1));
+
+    let stalled = Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
+    let recorded = finish(&pool, &[stalled]).await.unwrap();
+    assert!(recorded.is_empty(), "the stalled execution of generation 1 finished generation 2's run: {recorded:?}");
+    assert_eq!(common::job(&pool, id).await.state, JobState::Running);
+}
