@@ -12,7 +12,7 @@ mod common;
 
 use std::process::Stdio;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
@@ -22,7 +22,7 @@ use rowq::sqs::{MemoryPublisher, SqsPublisher};
 use rowq::{JobState, Registry, Scheduler, Worker};
 use serde_json::{Value, json};
 use sqlx::migrate::MigrateDatabase;
-use sqlx::postgres::{PgListener, PgPoolOptions};
+use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Postgres};
 use tokio::process::Command;
 use tokio::sync::watch;
@@ -106,13 +106,16 @@ async fn run() -> Result<(), Error> {
 
 // ---- helpers ------------------------------------------------------------------------------
 
-/// A fresh, migrated database for one workload; dropped by [`drop_database`].
+/// A fresh, migrated database for one workload, with a pool opened as rowq opens its own
+/// (`rowq::store::connect`, which the SQL floors use too); dropped by [`drop_database`].
 async fn database(settings: &Settings, name: &str) -> Result<(PgPool, String), Error> {
     let base = &settings.base_url[..settings.base_url.rfind('/').unwrap_or(settings.base_url.len())];
     let url = format!("{base}/rowq_bench_{}_{name}", std::process::id());
     let _ = Postgres::force_drop_database(&url).await;
     Postgres::create_database(&url).await?;
-    let pool = PgPoolOptions::new().max_connections(settings.c as u32 * 2 + 8).connect(&url).await?;
+    let config =
+        rowq::config::DatabaseConfig { url: url.clone(), pool_size: settings.c as u32 * 2 + 8, secret_arn: None };
+    let pool = rowq::store::connect(&config).await?;
     rowq::store::migrate(&pool).await?;
     Ok((pool, url))
 }
@@ -175,6 +178,15 @@ fn scheduler_config(settings: &Settings, url: &str, queue_url: &str) -> rowq::co
     config
 }
 
+/// A scheduler on a pool of its own, opened as the scheduler binary opens it.
+async fn scheduler<P: rowq::Publisher>(
+    config: rowq::config::SchedulerConfig,
+    publisher: P,
+) -> Result<Scheduler<P>, Error> {
+    let pool = rowq::store::connect_scheduler(&config.database).await?;
+    Ok(Scheduler::new(pool, publisher, config))
+}
+
 fn worker(pool: &PgPool) -> Worker {
     Worker::new(pool.clone(), Registry::builtin(), common::worker_config())
 }
@@ -190,6 +202,54 @@ async fn start_latencies(pool: &PgPool) -> Result<(f64, f64, f64), Error> {
             .fetch_all(pool)
             .await?;
     Ok(percentiles(&mut ms))
+}
+
+/// CPU time spent since it was made, from `/proc`: by the whole machine (Postgres, LocalStack and
+/// this process) and by this process alone (scheduler, pollers, worker). Per job it is steadier
+/// than throughput on a shared two-core machine, and it says where the time went.
+struct CpuMeter {
+    machine: f64,
+    process: f64,
+}
+
+impl CpuMeter {
+    /// Clock ticks per second of `/proc`'s counters (USER_HZ, 100 on Linux).
+    const TICKS: f64 = 100.0;
+
+    fn start() -> Self {
+        let (machine, process) = Self::now();
+        CpuMeter { machine, process }
+    }
+
+    fn now() -> (f64, f64) {
+        let machine = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|stat| {
+                let fields: Vec<f64> =
+                    stat.lines().next()?.split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+                // user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+                let busy: f64 = fields.iter().take(8).sum::<f64>() - fields.get(3)? - fields.get(4)?;
+                Some(busy / Self::TICKS)
+            })
+            .unwrap_or(f64::NAN);
+        let process = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|stat| {
+                // Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
+                let rest = &stat[stat.rfind(')')? + 2..];
+                let fields: Vec<f64> = rest.split_whitespace().filter_map(|f| f.parse().ok()).collect();
+                Some((fields.get(11)? + fields.get(12)?) / Self::TICKS)
+            })
+            .unwrap_or(f64::NAN);
+        (machine, process)
+    }
+
+    /// CPU µs per item since `start`: (machine, this process).
+    fn per(&self, items: f64) -> (f64, f64) {
+        let (machine, process) = Self::now();
+        let micros = |seconds: f64| (seconds * 1e6 / items).round();
+        (micros(machine - self.machine), micros(process - self.process))
+    }
 }
 
 fn percentiles(ms: &mut [f64]) -> (f64, f64, f64) {
@@ -215,16 +275,18 @@ fn memory_consumers(
     worker: Arc<Worker>,
     c: usize,
     stop: Arc<AtomicBool>,
+    batches: Arc<AtomicUsize>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     (0..c)
         .map(|_| {
-            let (scheduler, worker, stop) = (publisher.clone(), worker.clone(), stop.clone());
+            let (scheduler, worker, stop, batches) = (publisher.clone(), worker.clone(), stop.clone(), batches.clone());
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let batch = scheduler.publisher().receive(10, Duration::from_millis(50)).await;
                     if batch.is_empty() {
                         continue;
                     }
+                    batches.fetch_add(1, Ordering::Relaxed);
                     let mut event = SqsEvent::default();
                     event.records = batch
                         .into_iter()
@@ -286,6 +348,7 @@ async fn enqueue(settings: &Settings) -> Result<Value, Error> {
 async fn sql_floor(settings: &Settings) -> Result<Value, Error> {
     let (pool, url) = database(settings, "floor").await?;
     backlog(&pool, settings.n).await?;
+    let cpu = CpuMeter::start();
     let started = Instant::now();
     let tasks: Vec<_> = (0..settings.c)
         .map(|_| {
@@ -323,8 +386,12 @@ async fn sql_floor(settings: &Settings) -> Result<Value, Error> {
         task.await??;
     }
     let throughput = rate(settings.n as f64, started.elapsed());
+    let (cpu_us, client_cpu_us) = cpu.per(settings.n as f64);
     drop_database(pool, &url).await;
-    Ok(json!({"workload": "sql-floor", "rows_per_s": throughput, "connections": settings.c}))
+    Ok(json!({
+        "workload": "sql-floor", "rows_per_s": throughput, "connections": settings.c,
+        "cpu_us_per_row": cpu_us, "client_cpu_us_per_row": client_cpu_us,
+    }))
 }
 
 async fn dispatch_memory(settings: &Settings) -> Result<Value, Error> {
@@ -332,7 +399,7 @@ async fn dispatch_memory(settings: &Settings) -> Result<Value, Error> {
     backlog(&pool, settings.n).await?;
     let mut config = scheduler_config(settings, &url, "memory://jobs.fifo");
     config.max_in_flight = u32::MAX;
-    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    let scheduler = scheduler(config, MemoryPublisher::new()).await?;
     let (_keep, shutdown) = watch::channel(false);
     let started = Instant::now();
     let totals = scheduler.run(shutdown, true).await;
@@ -344,17 +411,19 @@ async fn dispatch_memory(settings: &Settings) -> Result<Value, Error> {
 async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
     let (pool, url) = database(settings, "drain_mem").await?;
     backlog(&pool, settings.n).await?;
-    let scheduler = Arc::new(Scheduler::new(
-        pool.clone(),
-        Arc::new(MemoryPublisher::new()),
-        scheduler_config(settings, &url, "memory://jobs.fifo"),
-    ));
+    let scheduler = Arc::new(
+        scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
+    );
     let stop = Arc::new(AtomicBool::new(false));
+    let cpu = CpuMeter::start();
     let started = Instant::now();
-    let consumers = memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone());
+    let batches = Arc::new(AtomicUsize::new(0));
+    let consumers =
+        memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone(), batches.clone());
     let (halt, running) = spawn_scheduler(scheduler.clone());
     wait_until_succeeded(&pool, settings.n, Duration::from_secs(600)).await?;
     let throughput = rate(settings.n as f64, started.elapsed());
+    let (cpu_us, client_cpu_us) = cpu.per(settings.n as f64);
     halt.send_replace(true);
     stop.store(true, Ordering::Relaxed);
     running.await?;
@@ -362,7 +431,11 @@ async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
         consumer.await?;
     }
     drop_database(pool, &url).await;
-    Ok(json!({"workload": "drain", "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c}))
+    Ok(json!({
+        "workload": "drain", "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c,
+        "cpu_us_per_job": cpu_us, "client_cpu_us_per_job": client_cpu_us,
+        "mean_batch": (settings.n as f64 / batches.load(Ordering::Relaxed).max(1) as f64 * 10.0).round() / 10.0,
+    }))
 }
 
 /// LISTEN and claim one row per NOTIFY, while one row per transaction is inserted: the floor
@@ -409,13 +482,12 @@ async fn latency_floor(settings: &Settings) -> Result<Value, Error> {
 
 async fn latency_memory(settings: &Settings) -> Result<Value, Error> {
     let (pool, url) = database(settings, "latency_mem").await?;
-    let scheduler = Arc::new(Scheduler::new(
-        pool.clone(),
-        Arc::new(MemoryPublisher::new()),
-        scheduler_config(settings, &url, "memory://jobs.fifo"),
-    ));
+    let scheduler = Arc::new(
+        scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
+    );
     let stop = Arc::new(AtomicBool::new(false));
-    let consumers = memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone());
+    let batches = Arc::new(AtomicUsize::new(0));
+    let consumers = memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone(), batches);
     let (halt, running) = spawn_scheduler(scheduler.clone());
     tokio::time::sleep(Duration::from_millis(300)).await;
     trickle(&pool, settings.latency_n, settings.rate).await?;
@@ -496,7 +568,7 @@ async fn dispatch_localstack(settings: &Settings) -> Result<Value, Error> {
     let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
     let mut config = scheduler_config(settings, &url, &queues.queue_url);
     config.max_in_flight = u32::MAX;
-    let scheduler = Scheduler::new(pool.clone(), SqsPublisher::new(client, queues.queue_url.clone()), config);
+    let scheduler = scheduler(config, SqsPublisher::new(client, queues.queue_url.clone())).await?;
     let (_keep, shutdown) = watch::channel(false);
     let started = Instant::now();
     let totals = scheduler.run(shutdown, true).await;
@@ -575,7 +647,8 @@ async fn latency_localstack(settings: &Settings) -> Result<Value, Error> {
         },
         schedulers: 1,
     };
-    let pipeline = Pipeline::start(pool.clone(), client, worker(&pool), config).await?;
+    let scheduler_pool = rowq::store::connect_scheduler(&config.scheduler.database).await?;
+    let pipeline = Pipeline::start(scheduler_pool, client, worker(&pool), config).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     trickle(&pool, settings.latency_n, settings.rate).await?;
     wait_until_succeeded(&pool, settings.latency_n as i64, Duration::from_secs(60)).await?;

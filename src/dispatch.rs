@@ -36,6 +36,8 @@ pub struct DispatchReport {
     pub full: bool,
     /// The first publish error of the pass, if any.
     pub publish_error: Option<String>,
+    /// The earliest future `run_at` among pending rows when the claim ran.
+    pub next_due: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// A pass that could not complete: the database is unreachable or refused a statement.
@@ -88,18 +90,19 @@ impl<P: Publisher> Scheduler<P> {
         let queue = &self.config.queue;
         let db_error = |action| move |source| DispatchError::Database { action, queue: queue.clone(), source };
         let (batch, cap) = (self.config.claim_batch, self.config.max_in_flight);
-        let (claimed, in_flight_before) =
-            store::dispatch::claim_due_within(&self.pool, queue, batch, cap, self.config.dispatch_lease)
-                .await
-                .map_err(db_error("claim due jobs"))?;
+        let claim = store::dispatch::claim_due_within(&self.pool, queue, batch, cap, self.config.dispatch_lease)
+            .await
+            .map_err(db_error("claim due jobs"))?;
+        let claimed = claim.jobs;
         let mut report = DispatchReport {
             claimed: claimed.len(),
             full: claimed.len() == batch as usize,
+            next_due: claim.next_due,
             ..DispatchReport::default()
         };
         if !report.full {
             // Fewer than a batch: nothing more is due, or the cap held the claim back.
-            report.capped = in_flight_before + claimed.len() as i64 >= i64::from(cap);
+            report.capped = claim.in_flight_before + claimed.len() as i64 >= i64::from(cap);
         }
         for job in &claimed {
             tracing::info!(
@@ -250,7 +253,7 @@ impl<P: Publisher> Scheduler<P> {
                         } else if report.capped {
                             self.config.busy_poll
                         } else {
-                            self.idle_wait().await
+                            self.idle_wait(report.next_due)
                         }
                     }
                 }
@@ -291,18 +294,10 @@ impl<P: Publisher> Scheduler<P> {
     }
 
     /// How long to sleep when nothing is due: until the next `run_at`, at most the poll interval.
-    async fn idle_wait(&self) -> Duration {
-        match store::dispatch::next_due(&self.pool, &self.config.queue).await {
-            Ok(Some(at)) => {
-                let until = (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO);
-                until.min(self.config.poll_interval)
-            }
-            Ok(None) => self.config.poll_interval,
-            Err(error) => {
-                tracing::warn!(error = %error, "could not read the next run_at");
-                self.config.poll_interval
-            }
-        }
+    fn idle_wait(&self, next_due: Option<chrono::DateTime<chrono::Utc>>) -> Duration {
+        next_due.map_or(self.config.poll_interval, |at| {
+            (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO).min(self.config.poll_interval)
+        })
     }
 
     async fn listen(&self) -> Option<PgListener> {

@@ -33,7 +33,8 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Starts every piece in the background.
+    /// Starts every piece in the background. `pool` serves the schedulers and the DLQ handler
+    /// (open it with [`crate::store::connect_scheduler`]); the worker brings its own.
     pub async fn start(pool: PgPool, client: Client, worker: Worker, config: PipelineConfig) -> Result<Self, SqsError> {
         let (stop, shutdown) = watch::channel(false);
         let mut tasks = tokio::task::JoinSet::new();

@@ -513,3 +513,70 @@ async fn a_job_id_used_again_after_the_table_is_recreated_is_not_dropped_by_sqs_
     let received = common::drain_queue(&client, &queues.queue_url, Duration::from_secs(2)).await;
     assert_eq!(received.len(), 2, "SQS dropped the second job as a duplicate of the first");
 }
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_claim_alone_commits_without_waiting_for_the_disk(pool: PgPool) {
+    common::enqueue(&pool, "noop", json!({})).await;
+    let mut connection = pool.acquire().await.unwrap();
+    let mut tx = sqlx::Connection::begin(&mut *connection).await.unwrap();
+    let claimed = sqlx::query(rowq::store::dispatch::CLAIM_SQL)
+        .bind("default")
+        .bind(10_i64)
+        .bind(60_000_i64)
+        .bind(1000_i64)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let inside: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(inside, "off", "the claim's transaction waits for its WAL to reach the disk");
+    tx.commit().await.unwrap();
+    let after: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&mut *connection).await.unwrap();
+    assert_eq!(after, "on", "the claim changed the setting for the rest of the session");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn one_statement_claims_and_tells_when_the_next_delayed_job_is_due(pool: PgPool) {
+    let at = chrono::Utc::now() + chrono::Duration::seconds(30);
+    let mut delayed = NewJob::new("noop", json!({}));
+    delayed.run_at = Some(at);
+    enqueue_with(&pool, delayed).await;
+    common::enqueue(&pool, "noop", json!({})).await;
+    let claim =
+        rowq::store::dispatch::claim_due_within(&pool, "default", 10, 1000, Duration::from_secs(60)).await.unwrap();
+    assert_eq!((claim.jobs.len(), claim.in_flight_before), (1, 0));
+    let next = claim.next_due.expect("the delayed job's run_at");
+    assert!((next - at).num_milliseconds().abs() < 5, "{next} is not {at}");
+
+    let empty =
+        rowq::store::dispatch::claim_due_within(&pool, "default", 10, 1000, Duration::from_secs(60)).await.unwrap();
+    assert!(empty.jobs.is_empty());
+    assert_eq!(empty.in_flight_before, 1);
+    assert_eq!(empty.next_due, claim.next_due);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_scheduler_plans_its_statements_once_per_connection(pool: PgPool) {
+    common::enqueue_many(&pool, "noop", 20).await;
+    let own = rowq::store::connect_scheduler(&common::own_database_config(&pool, 1).await).await.unwrap();
+    for _ in 0..8 {
+        rowq::store::dispatch::claim_due_within(&own, "default", 1, 1000, Duration::from_secs(60)).await.unwrap();
+    }
+    let (generic, custom): (i64, i64) = sqlx::query_as(
+        "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%in_flight AS%'",
+    )
+    .fetch_one(&own)
+    .await
+    .unwrap();
+    assert_eq!((generic, custom), (8, 0), "the claim was planned again for its parameters");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_connection_that_died_while_idle_is_replaced_before_use(pool: PgPool) {
+    let own = rowq::store::connect(&common::own_database_config(&pool, 1).await).await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&own).await.unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
+    tokio::time::sleep(rowq::store::IDLE_BEFORE_PING + Duration::from_millis(200)).await;
+    let replaced: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&own).await.unwrap();
+    assert_ne!(replaced, pid);
+}

@@ -128,6 +128,11 @@ async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finishe
         .fetch_one(&pool)
         .await
         .unwrap();
+    assert_claim_reads_its_indexes(explained);
+}
+
+/// The claim reads the pending index and updates by primary key, and scans no table.
+fn assert_claim_reads_its_indexes(explained: Value) {
     let nodes = plan_nodes(explained);
     assert!(nodes.iter().all(|(node, _)| node != "Seq Scan"), "the claim scans the whole table: {nodes:?}");
     assert!(
@@ -156,6 +161,50 @@ async fn the_rescues_update_the_rescued_rows_by_primary_key_while_statistics_say
             nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
             "the rescue of {name} rows does not update them by primary key: {nodes:?}"
         );
+        assert!(
+            nodes.iter().all(|(node, _)| node != "Seq Scan"),
+            "the rescue of {name} rows scans the table: {nodes:?}"
+        );
+    }
+}
+
+/// `EXPLAIN` of the plan the scheduler's sessions run: the generic one, planned without the
+/// parameters' values (see `rowq::store::connect_scheduler`).
+async fn explain_generic(pool: &PgPool, sql: &str, types: &str, arguments: &str) -> Value {
+    let mut connection = pool.acquire().await.unwrap();
+    let (setting, value) = rowq::store::GENERIC_PLANS;
+    sqlx::query(sqlx::AssertSqlSafe(format!("SET {setting} = {value}"))).execute(&mut *connection).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("PREPARE statement ({types}) AS {sql}")))
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    let explained =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (FORMAT JSON) EXECUTE statement ({arguments})")))
+            .fetch_one(&mut *connection)
+            .await
+            .unwrap();
+    sqlx::query("DEALLOCATE statement").execute(&mut *connection).await.unwrap();
+    explained
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_scheduler_statements_generic_plans_read_their_indexes_too(pool: PgPool) {
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, state, finished_at) SELECT 'noop', 'succeeded', now() FROM generate_series(1, 50000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    backlog_analyzed_while_pending(&pool, 20_000).await;
+    let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(start(&pool, &claimed[..1000]).await, 1000);
+
+    let claim = explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", "'default', 100, 60000, 1000").await;
+    assert_claim_reads_its_indexes(claim);
+    let dispatched = explain_generic(&pool, RESCUE_DISPATCHED_SQL, "bigint", "1000").await;
+    let running = explain_generic(&pool, RESCUE_RUNNING_SQL, "bigint, bigint", "1000, 1000").await;
+    for (name, explained) in [("dispatched", dispatched), ("running", running)] {
+        let nodes = plan_nodes(explained);
         assert!(
             nodes.iter().all(|(node, _)| node != "Seq Scan"),
             "the rescue of {name} rows scans the table: {nodes:?}"

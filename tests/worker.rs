@@ -532,3 +532,70 @@ async fn a_stalled_execution_cannot_finish_the_run_of_a_job_retried_by_hand_mean
     assert!(recorded.is_empty(), "the stalled execution of generation 1 finished generation 2's run: {recorded:?}");
     assert_eq!(common::job(&pool, id).await.state, JobState::Running);
 }
+
+/// The claim commits asynchronously. A server crash that loses it brings the row back
+/// `pending` with the generation before it, while its message is already out; recovery is
+/// replayed here by writing back exactly that row. Both orders in which the lost generation's
+/// message can meet the row run the job once.
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_claim_lost_in_a_crash_still_runs_its_job_once(pool: PgPool) {
+    common::create_effects(&pool).await;
+    let worker = worker(&pool);
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), common::scheduler_config(MEMORY_URL));
+    let lose_the_claim = |id: JobId| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "UPDATE rowq.jobs SET state = 'pending', dispatch_gen = dispatch_gen - 1, dispatch_deadline = NULL
+                 WHERE id = $1 AND state = 'dispatched'",
+            )
+            .bind(id)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+
+    // 1. The lost generation's message arrives after the row was claimed again: the new claim
+    // has the same generation and the same deduplication id, so SQS keeps one of the two
+    // messages, and whichever arrives runs the job once; the other finds it running or done.
+    let late = common::enqueue(&pool, "effect", json!({})).await;
+    scheduler.run_once().await.unwrap();
+    let lost = scheduler.publisher().take();
+    lose_the_claim(late).await;
+    scheduler.run_once().await.unwrap();
+    let again = scheduler.publisher().take();
+    assert_eq!(again[0].message, lost[0].message, "the claim after the crash is a different generation");
+    assert_eq!(again[0].dedup_id, lost[0].dedup_id, "SQS would not drop the second message as a duplicate");
+    for outgoing in [&lost[0], &again[0]] {
+        assert!(deliver(&worker, vec![record("m", "g", outgoing.message.encode())]).await.is_empty());
+    }
+    assert_eq!(effects_of(&pool, late).await, 1);
+    let row = common::job(&pool, late).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 1));
+
+    // 2. It arrives before the row is claimed again: the row is not dispatched for it, so it
+    // is dropped; the next claim's message (same id) is the one SQS drops, and the row waits
+    // for its dispatch lease, is rescued and runs once under the next generation.
+    let early = common::enqueue(&pool, "effect", json!({})).await;
+    scheduler.run_once().await.unwrap();
+    let lost = scheduler.publisher().take();
+    lose_the_claim(early).await;
+    assert!(deliver(&worker, vec![record("m1", "g", lost[0].message.encode())]).await.is_empty());
+    assert_eq!(effects_of(&pool, early).await, 0, "a message of a lost claim ran the job");
+    scheduler.run_once().await.unwrap();
+    let deduplicated = scheduler.publisher().take();
+    assert_eq!(deduplicated[0].dedup_id, lost[0].dedup_id);
+    sqlx::query("UPDATE rowq.jobs SET dispatch_deadline = now() - interval '1 second' WHERE id = $1")
+        .bind(early)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(maintenance::run_once(&pool, Duration::ZERO).await.unwrap().rescued_dispatched, 1);
+    scheduler.run_once().await.unwrap();
+    let next = scheduler.publisher().take();
+    assert_eq!(next[0].message.dispatch_gen, lost[0].message.dispatch_gen + 1);
+    assert!(deliver(&worker, vec![record("m2", "g", next[0].message.encode())]).await.is_empty());
+    assert_eq!(effects_of(&pool, early).await, 1);
+    assert_eq!(common::job(&pool, early).await.state, JobState::Succeeded);
+}

@@ -12,7 +12,7 @@ async fn main() -> anyhow::Result<()> {
     let once = std::env::args().any(|arg| arg == "--once");
     let mut config = SchedulerConfig::from_env().context("invalid scheduler configuration")?;
     secret::resolve(&mut config.database).await?;
-    let pool = store::connect(&config.database)
+    let pool = store::connect_scheduler(&config.database)
         .await
         .with_context(|| format!("cannot connect to {}", config::redact_url(&config.database.url)))?;
     store::migrate(&pool).await.context("cannot apply migrations")?;

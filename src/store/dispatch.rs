@@ -36,13 +36,14 @@ pub struct Claimed {
 /// A job with a `group_key` is claimable only while no earlier job of its group is
 /// unfinished: the group runs one at a time, in id order, even across retries.
 pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) -> Result<Vec<Claimed>, sqlx::Error> {
-    Ok(claim_due_within(pool, queue, limit, u32::MAX, lease).await?.0)
+    Ok(claim_due_within(pool, queue, limit, u32::MAX, lease).await?.jobs)
 }
 
 /// The claim statement of [`claim_due_within`] (public so that tests can `EXPLAIN` it).
 pub const CLAIM_SQL: &str = r#"
         WITH in_flight AS (
-            SELECT count(*) AS n FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
+            SELECT count(*) AS n, set_config('synchronous_commit', 'off', true) AS commit_mode
+            FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
         ),
         due AS (
             SELECT j.id
@@ -59,6 +60,9 @@ pub const CLAIM_SQL: &str = r#"
             LIMIT least($2, greatest(0, $4 - (SELECT n FROM in_flight)))
             FOR UPDATE SKIP LOCKED
         ),
+        next_due AS (
+            SELECT min(run_at) AS at FROM rowq.jobs WHERE queue = $1 AND state = 'pending' AND run_at > now()
+        ),
         claimed AS (
             UPDATE rowq.jobs j
             SET state = 'dispatched',
@@ -68,24 +72,48 @@ pub const CLAIM_SQL: &str = r#"
             WHERE j.id = ANY (ARRAY(SELECT id FROM due))
             RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at
         )
-        SELECT c.id, c.dispatch_gen, c.group_key, c.created_at, in_flight.n
-        FROM in_flight LEFT JOIN claimed c ON true
+        SELECT c.id, c.dispatch_gen, c.group_key, c.created_at, in_flight.n, next_due.at
+        FROM in_flight CROSS JOIN next_due LEFT JOIN claimed c ON true
         ORDER BY c.priority DESC, c.run_at, c.id
         "#;
 
+/// What one claim statement did and saw.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Claim {
+    /// The claimed rows, in claim order (priority, run_at, id).
+    pub jobs: Vec<Claimed>,
+    /// Rows of the queue `dispatched` before this claim.
+    pub in_flight_before: i64,
+    /// The earliest `run_at` in the future among the queue's pending rows: when something
+    /// next falls due (delayed jobs, retries after backoff), if nothing is due now.
+    pub next_due: Option<DateTime<Utc>>,
+}
+
 /// [`claim_due`], taking no more rows than leave fewer than `max_in_flight` rows of the queue
-/// `dispatched` (backpressure), counted in the same statement: one round trip per claim.
-/// Returns the claimed rows in claim order (priority, run_at, id) and the in-flight count the
-/// claim saw before it claimed; the statement returns one row with that count and no job when
-/// it claims nothing, so an empty claim needs no second query.
+/// `dispatched` (backpressure), counted in the same statement. One round trip per pass: the
+/// statement also returns the in-flight count it saw and the next future `run_at`, in one row
+/// with no job when it claims nothing, so neither an empty claim nor the scheduler's idle
+/// wait needs a second query.
+///
+/// The claim commits asynchronously (`synchronous_commit` off for its own transaction only):
+/// it returns without waiting for its WAL to reach the disk, which is most of a claim's time
+/// on the pickup path of every job. This is safe because nothing outside the database acts on
+/// a claim before a synchronous commit covers it: the fence, which every execution must pass,
+/// commits synchronously, and WAL is flushed in order, so a fence that is durable makes the
+/// claim it fenced durable too. If the server crashes before the claim reaches the disk, the
+/// row comes back `pending` with the generation before it; the message already published for
+/// the lost generation either matches the row's next claim (same generation, and SQS drops
+/// the second message as a duplicate within five minutes) or meets a row that is not
+/// `dispatched` for it, and the fence drops it. Either way the job runs once.
+/// `tests/dispatch.rs` (`a_claim_lost_in_a_crash_still_runs_its_job_once`) replays that crash.
 pub async fn claim_due_within(
     pool: &PgPool,
     queue: &str,
     limit: u32,
     max_in_flight: u32,
     lease: Duration,
-) -> Result<(Vec<Claimed>, i64), sqlx::Error> {
-    type Row = (Option<JobId>, Option<i64>, Option<String>, Option<DateTime<Utc>>, i64);
+) -> Result<Claim, sqlx::Error> {
+    type Row = (Option<JobId>, Option<i64>, Option<String>, Option<DateTime<Utc>>, i64, Option<DateTime<Utc>>);
     let rows: Vec<Row> = sqlx::query_as(CLAIM_SQL)
         .bind(queue)
         .bind(i64::from(limit))
@@ -93,14 +121,14 @@ pub async fn claim_due_within(
         .bind(i64::from(max_in_flight))
         .fetch_all(pool)
         .await?;
-    let in_flight_before = rows.first().map_or(0, |row| row.4);
-    let claimed = rows
+    let (in_flight_before, next_due) = rows.first().map_or((0, None), |row| (row.4, row.5));
+    let jobs = rows
         .into_iter()
-        .filter_map(|(id, dispatch_gen, group_key, created_at, _)| {
+        .filter_map(|(id, dispatch_gen, group_key, created_at, _, _)| {
             Some(Claimed { id: id?, dispatch_gen: dispatch_gen?, group_key, created_at: created_at? })
         })
         .collect();
-    Ok((claimed, in_flight_before))
+    Ok(Claim { jobs, in_flight_before, next_due })
 }
 
 /// The statement of [`release`] (public so that tests can `EXPLAIN` it).

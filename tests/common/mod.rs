@@ -152,6 +152,14 @@ fn database_config() -> DatabaseConfig {
     }
 }
 
+/// Settings that open a pool of rowq's own (`rowq::store::connect*`) on the test's database.
+pub async fn own_database_config(pool: &PgPool, pool_size: u32) -> DatabaseConfig {
+    let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
+    let server = database_config().url;
+    let server = &server[..server.rfind('/').unwrap_or(server.len())];
+    DatabaseConfig { url: format!("{server}/{name}"), pool_size, secret_arn: None }
+}
+
 /// Enqueues one job with defaults; panics if refused.
 pub async fn enqueue(pool: &PgPool, kind: &str, payload: serde_json::Value) -> JobId {
     admin::enqueue(pool, &NewJob::new(kind, payload)).await.expect("enqueue").expect("not a duplicate")

@@ -105,7 +105,10 @@ pub async fn start(
     let event_source = EventSourceConfig::from(&env)?;
     let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
     let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
+    let scheduler_pool =
+        store::connect_scheduler(&scheduler.database).await.context("cannot connect the scheduler pool")?;
     let config = PipelineConfig { scheduler, event_source, schedulers: args.schedulers };
-    let pipeline = Pipeline::start(pool.clone(), client, worker, config).await.context("cannot start the pipeline")?;
+    let pipeline =
+        Pipeline::start(scheduler_pool, client, worker, config).await.context("cannot start the pipeline")?;
     Ok(Running { pool, pipeline })
 }
