@@ -48,7 +48,6 @@ struct Settings {
     c: usize,
     latency_n: usize,
     rate: f64,
-    base_url: String,
 }
 
 fn main() {
@@ -66,7 +65,6 @@ async fn run() -> Result<(), Error> {
         c: number("BENCH_C", 8.0) as usize,
         latency_n: number("BENCH_LATENCY_N", 1000.0) as usize,
         rate: number("BENCH_RATE", 100.0),
-        base_url: std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
     };
     eprintln!(
         "bench: N={} C={} latency {} jobs at {}/s; {} cores",
@@ -109,8 +107,7 @@ async fn run() -> Result<(), Error> {
 /// A fresh, migrated database for one workload, with a pool opened as rowq opens its own
 /// (`rowq::store::connect`, which the SQL floors use too); dropped by [`drop_database`].
 async fn database(settings: &Settings, name: &str) -> Result<(PgPool, String), Error> {
-    let base = &settings.base_url[..settings.base_url.rfind('/').unwrap_or(settings.base_url.len())];
-    let url = format!("{base}/rowq_bench_{}_{name}", std::process::id());
+    let url = common::database_url(&format!("rowq_bench_{}_{name}", std::process::id()));
     let _ = Postgres::force_drop_database(&url).await;
     Postgres::create_database(&url).await?;
     let config =

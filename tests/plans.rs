@@ -58,6 +58,23 @@ async fn backlog_analyzed_while_pending(pool: &PgPool, n: i64) {
     sqlx::query("ANALYZE rowq.jobs").execute(pool).await.unwrap();
 }
 
+/// 50,000 finished rows, then 20,000 pending ones analyzed while pending: a long history and a
+/// deep backlog, for which a `LIMIT` the planner cannot evaluate makes it expect a tenth.
+async fn history_and_deep_backlog(pool: &PgPool) {
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, state, finished_at) SELECT 'noop', 'succeeded', now() FROM generate_series(1, 50000)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    backlog_analyzed_while_pending(pool, 20_000).await;
+}
+
+/// The statement reads no table from end to end.
+fn assert_scans_no_table(name: &str, nodes: &[(String, String)]) {
+    assert!(nodes.iter().all(|(node, _)| node != "Seq Scan"), "the {name} scans the whole table: {nodes:?}");
+}
+
 /// Fences every claimed row (`dispatched → running`); returns how many started.
 async fn start(pool: &PgPool, claimed: &[dispatch::Claimed]) -> usize {
     let starts: Vec<StartRequest> = claimed
@@ -111,14 +128,7 @@ async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_i
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finished_rows(pool: PgPool) {
-    sqlx::query(
-        "INSERT INTO rowq.jobs (kind, state, finished_at) SELECT 'noop', 'succeeded', now() FROM generate_series(1, 50000)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    // A deep backlog: with a `LIMIT` it cannot evaluate, the planner expects a tenth of it.
-    backlog_analyzed_while_pending(&pool, 20_000).await;
+    history_and_deep_backlog(&pool).await;
 
     let explained: Value = sqlx::query_scalar(explain(CLAIM_SQL))
         .bind("default")
@@ -134,7 +144,7 @@ async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finishe
 /// The claim reads the pending index and updates by primary key, and scans no table.
 fn assert_claim_reads_its_indexes(explained: Value) {
     let nodes = plan_nodes(explained);
-    assert!(nodes.iter().all(|(node, _)| node != "Seq Scan"), "the claim scans the whole table: {nodes:?}");
+    assert_scans_no_table("claim", &nodes);
     assert!(
         nodes.iter().any(|(_, index)| index == "jobs_claim_idx"),
         "the claim does not read the pending index: {nodes:?}"
@@ -161,10 +171,7 @@ async fn the_rescues_update_the_rescued_rows_by_primary_key_while_statistics_say
             nodes.iter().any(|(node, index)| node == "Index Scan" && index == "jobs_pkey"),
             "the rescue of {name} rows does not update them by primary key: {nodes:?}"
         );
-        assert!(
-            nodes.iter().all(|(node, _)| node != "Seq Scan"),
-            "the rescue of {name} rows scans the table: {nodes:?}"
-        );
+        assert_scans_no_table(&format!("rescue of {name} rows"), &nodes);
     }
 }
 
@@ -189,13 +196,7 @@ async fn explain_generic(pool: &PgPool, sql: &str, types: &str, arguments: &str)
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn the_scheduler_statements_generic_plans_read_their_indexes_too(pool: PgPool) {
-    sqlx::query(
-        "INSERT INTO rowq.jobs (kind, state, finished_at) SELECT 'noop', 'succeeded', now() FROM generate_series(1, 50000)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    backlog_analyzed_while_pending(&pool, 20_000).await;
+    history_and_deep_backlog(&pool).await;
     let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
     assert_eq!(start(&pool, &claimed[..1000]).await, 1000);
 
@@ -205,9 +206,6 @@ async fn the_scheduler_statements_generic_plans_read_their_indexes_too(pool: PgP
     let running = explain_generic(&pool, RESCUE_RUNNING_SQL, "bigint, bigint", "1000, 1000").await;
     for (name, explained) in [("dispatched", dispatched), ("running", running)] {
         let nodes = plan_nodes(explained);
-        assert!(
-            nodes.iter().all(|(node, _)| node != "Seq Scan"),
-            "the rescue of {name} rows scans the table: {nodes:?}"
-        );
+        assert_scans_no_table(&format!("rescue of {name} rows"), &nodes);
     }
 }

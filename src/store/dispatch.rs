@@ -78,7 +78,7 @@ pub const CLAIM_SQL: &str = r#"
         "#;
 
 /// What one claim statement did and saw.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     /// The claimed rows, in claim order (priority, run_at, id).
     pub jobs: Vec<Claimed>,
@@ -105,7 +105,7 @@ pub struct Claim {
 /// the lost generation either matches the row's next claim (same generation, and SQS drops
 /// the second message as a duplicate within five minutes) or meets a row that is not
 /// `dispatched` for it, and the fence drops it. Either way the job runs once.
-/// `tests/dispatch.rs` (`a_claim_lost_in_a_crash_still_runs_its_job_once`) replays that crash.
+/// `tests/worker.rs` (`a_claim_lost_in_a_crash_still_runs_its_job_once`) replays that crash.
 pub async fn claim_due_within(
     pool: &PgPool,
     queue: &str,
@@ -150,12 +150,4 @@ pub async fn release(pool: &PgPool, jobs: &[(JobId, i64)]) -> Result<Vec<JobId>,
     let ids: Vec<i64> = jobs.iter().map(|(id, _)| id.0).collect();
     let gens: Vec<i64> = jobs.iter().map(|(_, dispatch_gen)| *dispatch_gen).collect();
     sqlx::query_scalar(RELEASE_SQL).bind(ids).bind(gens).fetch_all(pool).await
-}
-
-/// The earliest `run_at` in the future among pending rows of `queue`: when to wake up next.
-pub async fn next_due(pool: &PgPool, queue: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar("SELECT min(run_at) FROM rowq.jobs WHERE queue = $1 AND state = 'pending' AND run_at > now()")
-        .bind(queue)
-        .fetch_one(pool)
-        .await
 }

@@ -152,12 +152,16 @@ fn database_config() -> DatabaseConfig {
     }
 }
 
+/// The URL of database `name` on the test server (`DATABASE_URL`'s server).
+pub fn database_url(name: &str) -> String {
+    let server = database_config().url;
+    format!("{}/{name}", &server[..server.rfind('/').unwrap_or(server.len())])
+}
+
 /// Settings that open a pool of rowq's own (`rowq::store::connect*`) on the test's database.
 pub async fn own_database_config(pool: &PgPool, pool_size: u32) -> DatabaseConfig {
     let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
-    let server = database_config().url;
-    let server = &server[..server.rfind('/').unwrap_or(server.len())];
-    DatabaseConfig { url: format!("{server}/{name}"), pool_size, secret_arn: None }
+    DatabaseConfig { url: database_url(&name), pool_size, secret_arn: None }
 }
 
 /// Enqueues one job with defaults; panics if refused.
