@@ -221,6 +221,38 @@ async fn unknown_kinds_and_payloads_that_do_not_fit_fail_with_a_clear_error(pool
     }
 }
 
+/// Postgres stores no NUL character in `text` or `jsonb`; Rust strings and JSON may hold one.
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn results_and_errors_postgres_cannot_store_are_cleaned_without_failing_the_batch(pool: PgPool) {
+    let registry = Registry::builtin().register("nul", |_: JobContext, input: serde_json::Value| async move {
+        match input["fail"].as_bool() {
+            Some(true) => Err(rowq::JobError::permanent(format!("bad\0byte {}", "x".repeat(100_000)))),
+            _ => Ok(json!({"text\u{0}": "a\u{0}b"})),
+        }
+    });
+    let worker = Worker::new(pool.clone(), registry, common::worker_config());
+    let fine = common::enqueue(&pool, "echo", json!({"n": 1})).await;
+    let nul_result = common::enqueue(&pool, "nul", json!({})).await;
+    let nul_error = common::enqueue(&pool, "nul", json!({"fail": true})).await;
+    let claimed = claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    let records = claimed
+        .iter()
+        .map(|c| record(&format!("m{}", c.id), &format!("g{}", c.id), message(c.id, c.dispatch_gen)))
+        .collect();
+    assert!(deliver(&worker, records).await.is_empty(), "every outcome was recorded");
+
+    assert_eq!(common::job(&pool, fine).await.state, JobState::Succeeded);
+    let row = common::job(&pool, nul_result).await;
+    assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!({"text\u{fffd}": "a\u{fffd}b"}))));
+    let row = common::job(&pool, nul_error).await;
+    assert_eq!((row.state, row.attempts), (JobState::Failed, 1));
+    let error = row.last_error.unwrap();
+    assert!(error.starts_with("bad\u{fffd}byte xxx"), "{}", &error[..20]);
+    // 100,009 bytes, 100,011 once the NUL (1 byte) is U+FFFD (3 bytes).
+    let cut = 100_011 - rowq::store::run::MAX_ERROR_BYTES;
+    assert!(error.ends_with(&format!("({cut} of 100011 bytes cut)")), "{}", &error[error.len() - 40..]);
+}
+
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_handler_that_exceeds_its_timeout_is_stopped_and_recorded_as_a_timed_out_attempt(pool: PgPool) {
     let id = common::enqueue(&pool, "slow", json!({})).await;

@@ -153,9 +153,11 @@ pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> R
         gens.push(finish.dispatch_gen);
         attempts.push(finish.attempt);
         let (state, result, error, backoff) = match &finish.outcome {
-            Outcome::Succeeded { result } => (JobState::Succeeded, Some(result.to_string()), None, 0),
-            Outcome::RetryLater { error, backoff } => (JobState::Pending, None, Some(error.clone()), millis(*backoff)),
-            Outcome::Failed { error } => (JobState::Failed, None, Some(error.clone()), 0),
+            Outcome::Succeeded { result } => (JobState::Succeeded, Some(storable_json(result)), None, 0),
+            Outcome::RetryLater { error, backoff } => {
+                (JobState::Pending, None, Some(storable_error(error)), millis(*backoff))
+            }
+            Outcome::Failed { error } => (JobState::Failed, None, Some(storable_error(error)), 0),
         };
         states.push(state.as_str());
         results.push(result);
@@ -172,6 +174,62 @@ pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> R
         .bind(backoffs)
         .fetch_all(executor)
         .await
+}
+
+/// The longest error message a row keeps, in bytes. The history keeps one per attempt (up to
+/// 1000), and a handler may return any string: a 50 MB error would otherwise be stored, and
+/// sent back by every `rowq show`, for each attempt.
+pub const MAX_ERROR_BYTES: usize = 16 * 1024;
+
+/// The character Postgres cannot store in `text` or `jsonb`, valid in Rust strings and JSON.
+const NUL: char = '\0';
+
+/// `error` as a row can keep it: NUL characters replaced by U+FFFD, and cut at a character
+/// boundary to [`MAX_ERROR_BYTES`], saying how much was cut. Without this, a handler error
+/// containing a NUL would fail the whole batch's finish statement, and every job in it would
+/// run again after its lease.
+pub fn storable_error(error: &str) -> String {
+    let mut text = if error.contains(NUL) { error.replace(NUL, "\u{fffd}") } else { error.to_string() };
+    if text.len() > MAX_ERROR_BYTES {
+        let total = text.len();
+        let mut cut = MAX_ERROR_BYTES;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+        text.push_str(&format!("… ({} of {total} bytes cut)", total - cut));
+    }
+    text
+}
+
+/// `result` serialized as `jsonb` accepts it: Postgres refuses the escape `\u0000`, which
+/// serde_json writes for a NUL in any string or key; those become U+FFFD. (The check on the
+/// serialized text also matches an escaped backslash followed by `u0000`; the walk then
+/// changes nothing.)
+pub fn storable_json(result: &serde_json::Value) -> String {
+    let text = result.to_string();
+    if !text.contains("\\u0000") {
+        return text;
+    }
+    let mut cleaned = result.clone();
+    replace_nul(&mut cleaned);
+    cleaned.to_string()
+}
+
+fn replace_nul(value: &mut serde_json::Value) {
+    use serde_json::Value;
+    match value {
+        Value::String(text) if text.contains(NUL) => *text = text.replace(NUL, "\u{fffd}"),
+        Value::Array(items) => items.iter_mut().for_each(replace_nul),
+        Value::Object(map) => {
+            let entries = std::mem::take(map);
+            for (key, mut item) in entries {
+                replace_nul(&mut item);
+                map.insert(key.replace(NUL, "\u{fffd}"), item);
+            }
+        }
+        _ => {}
+    }
 }
 
 /// Wakes schedulers waiting on a group whose head just finished.
@@ -206,7 +264,33 @@ pub async fn dead_letter(
     )
     .bind(id)
     .bind(dispatch_gen)
-    .bind(reason)
+    .bind(storable_error(reason))
     .fetch_optional(pool)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_nul_in_an_error_is_replaced_and_a_huge_error_is_cut_at_a_character_boundary() {
+        assert_eq!(storable_error("bad\0byte"), "bad\u{fffd}byte");
+        assert_eq!(storable_error("fine"), "fine");
+        let huge = "é".repeat(MAX_ERROR_BYTES); // 2 bytes each
+        let stored = storable_error(&huge);
+        assert!(stored.starts_with(&"é".repeat(MAX_ERROR_BYTES / 2)), "kept the first 16 KiB");
+        assert!(stored.ends_with(&format!("… ({} of {} bytes cut)", MAX_ERROR_BYTES, 2 * MAX_ERROR_BYTES)));
+    }
+
+    #[test]
+    fn a_nul_anywhere_in_a_result_is_replaced_and_everything_else_kept() {
+        let result = json!({"a\u{0}": ["x\u{0}y", 1, {"deep": "\u{0}"}], "b": "back\\u0000slash"});
+        let stored: serde_json::Value = serde_json::from_str(&storable_json(&result)).unwrap();
+        assert_eq!(stored, json!({"a\u{fffd}": ["x\u{fffd}y", 1, {"deep": "\u{fffd}"}], "b": "back\\u0000slash"}));
+        assert!(!storable_json(&result).contains("\\u0000\""), "{}", storable_json(&result));
+        assert_eq!(storable_json(&json!({"n": 1})), r#"{"n":1}"#);
+    }
 }
