@@ -23,6 +23,7 @@
 //! - [`dispatch`]: the scheduler: claim → publish → release failures; its loop.
 //! - [`sqs`]: the `Publisher` seam (SQS and in-memory), client and queue set-up.
 //! - [`worker`]: `Worker::handle_batch`: SQS batch in, partial batch response out.
+//! - [`combine`]: group commit: concurrent batches of one worker share their fence and finish.
 //! - [`handlers`]: the registry `kind → async fn(JobContext, T) -> Result<R, JobError>`.
 //! - [`dlq`]: the dead-letter handler.
 //! - [`event_source`]: the local stand-in for Lambda's SQS event source mapping.
@@ -35,6 +36,7 @@
 //! The binaries in `src/bin/` only wire these together: `scheduler`, `worker`, `dlq-handler`
 //! and the `rowq` CLI.
 
+pub mod combine;
 pub mod config;
 pub mod dispatch;
 pub mod dlq;

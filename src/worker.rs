@@ -11,6 +11,8 @@
 //! - Records of one message group run in order; different groups run concurrently.
 //! - The fence of a batch is one statement; so is the finish of every job that did not write
 //!   through its own transaction. A job that did is finished inside that transaction.
+//!   Batches handled at the same time by one process (the local runner's pollers) share those
+//!   statements ([`crate::combine`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -20,6 +22,7 @@ use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent
 use rand::Rng;
 use sqlx::PgPool;
 
+use crate::combine::Combiner;
 use crate::config::WorkerConfig;
 use crate::handlers::{JobContext, Registry, catching_panics};
 use crate::job::{JobError, JobId, JobMessage};
@@ -33,6 +36,8 @@ pub struct Worker {
     pool: PgPool,
     registry: Registry,
     config: WorkerConfig,
+    starts: Combiner<StartRequest, Started>,
+    finishes: Combiner<Finish, Finished>,
 }
 
 /// A record this worker will act on.
@@ -63,8 +68,32 @@ enum Recorded {
 }
 
 impl Worker {
+    /// Must be called within a Tokio runtime: it starts the tasks that send the fences and
+    /// finishes.
     pub fn new(pool: PgPool, registry: Registry, config: WorkerConfig) -> Self {
-        Worker { pool, registry, config }
+        let starts = {
+            let pool = pool.clone();
+            Combiner::spawn(
+                |r: &StartRequest| (r.id, r.dispatch_gen),
+                |s: &Started| (s.id, s.dispatch_gen),
+                move |requests| {
+                    let pool = pool.clone();
+                    async move { run::start(&pool, &requests).await }
+                },
+            )
+        };
+        let finishes = {
+            let pool = pool.clone();
+            Combiner::spawn(
+                |f: &Finish| Finished { id: f.id, dispatch_gen: f.dispatch_gen, attempt: f.attempt },
+                |f: &Finished| *f,
+                move |finishes| {
+                    let pool = pool.clone();
+                    async move { run::finish(&pool, &finishes).await }
+                },
+            )
+        };
+        Worker { pool, registry, config, starts, finishes }
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -126,7 +155,7 @@ impl Worker {
             .iter()
             .map(|(_, r)| StartRequest { id: r.message.job_id, dispatch_gen: r.message.dispatch_gen, lease })
             .collect();
-        let started = match run::start(&self.pool, &requests).await {
+        let started = match self.starts.call(requests).await {
             Ok(started) => started,
             Err(error) => {
                 tracing::error!(error = %error, records = round.len(), "could not start jobs: database unavailable; records will be redelivered");
@@ -234,7 +263,7 @@ impl Worker {
             executions.iter().partition(|e| matches!(e.recorded, Recorded::Pending));
 
         let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(&e.job, &e.outcome)).collect();
-        match run::finish(&self.pool, &finishes).await {
+        match self.finishes.call(finishes).await {
             Ok(recorded) => {
                 let recorded: HashSet<Finished> = recorded.into_iter().collect();
                 for execution in pending {

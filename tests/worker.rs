@@ -631,3 +631,65 @@ async fn a_claim_lost_in_a_crash_still_runs_its_job_once(pool: PgPool) {
     assert_eq!(effects_of(&pool, early).await, 1);
     assert_eq!(common::job(&pool, early).await.state, JobState::Succeeded);
 }
+
+/// The records of every claimed job, `per_batch` to a batch, one message group per job.
+async fn claimed_batches(pool: &PgPool, per_batch: usize) -> Vec<Vec<SqsMessage>> {
+    let claimed = claim_due(pool, "default", 1000, Duration::from_secs(60)).await.unwrap();
+    let records: Vec<SqsMessage> = claimed
+        .iter()
+        .map(|c| record(&format!("m{}", c.id), &format!("g{}", c.id), message(c.id, c.dispatch_gen)))
+        .collect();
+    records.chunks(per_batch).map(<[SqsMessage]>::to_vec).collect()
+}
+
+/// `started_at` and `finished_at` are `now()` of the fence's and the finish's transactions:
+/// jobs fenced in one statement share one `started_at`.
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn batches_handled_at_once_by_one_worker_share_their_fence_and_finish_statements(pool: PgPool) {
+    common::enqueue_many(&pool, "noop", 80).await;
+    let worker = worker(&pool);
+    let batches = claimed_batches(&pool, 10).await;
+    assert_eq!(batches.len(), 8);
+    let failed = futures::future::join_all(batches.into_iter().map(|records| deliver(&worker, records))).await;
+    assert!(failed.iter().all(Vec::is_empty), "{failed:?}");
+    assert_eq!(common::count_in_state(&pool, JobState::Succeeded).await, 80);
+    let (fences, finishes): (i64, i64) =
+        sqlx::query_as("SELECT count(DISTINCT started_at), count(DISTINCT finished_at) FROM rowq.jobs")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    println!("8 concurrent batches of 10: {fences} fence statement(s), {finishes} finish statement(s)");
+    assert!(fences <= 2 && finishes <= 2, "{fences} fences, {finishes} finishes for 8 batches");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_job_delivered_to_two_batches_handled_at_once_runs_once(pool: PgPool) {
+    common::create_effects(&pool).await;
+    let id = common::enqueue(&pool, "effect", json!({})).await;
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let worker = worker(&pool);
+    let body = message(id, claimed[0].dispatch_gen);
+    let (first, second) = tokio::join!(
+        deliver(&worker, vec![record("m1", "g", body.clone())]),
+        deliver(&worker, vec![record("m2", "g", body)]),
+    );
+    assert!(first.is_empty() && second.is_empty(), "the duplicate is acknowledged: {first:?} {second:?}");
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 1));
+    assert_eq!(effects_of(&pool, id).await, 1);
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_database_failure_under_a_shared_statement_fails_every_batch_in_it(pool: PgPool) {
+    common::enqueue_many(&pool, "noop", 6).await;
+    let batches = claimed_batches(&pool, 2).await;
+    let mut config = common::worker_config();
+    config.database.url = "postgres://postgres@127.0.0.1:1/nowhere".into();
+    let worker = Worker::new(rowq::store::connect_lazy(&config.database).unwrap(), registry(), config);
+    let failed = futures::future::join_all(batches.iter().cloned().map(|records| deliver(&worker, records))).await;
+    for (batch, failed) in batches.iter().zip(failed) {
+        let all: Vec<String> = batch.iter().filter_map(|r| r.message_id.clone()).collect();
+        assert_eq!(failed, all, "every record of every batch is handed back");
+    }
+    assert_eq!(common::count_in_state(&pool, JobState::Dispatched).await, 6);
+}
