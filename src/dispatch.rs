@@ -87,12 +87,25 @@ impl<P: Publisher> Scheduler<P> {
     /// One pass: claim up to a batch of due rows (within the in-flight cap), publish them in
     /// `SendMessageBatch` calls of up to 10 with several in flight, release what failed.
     pub async fn run_once(&self) -> Result<DispatchReport, DispatchError> {
+        self.pass(None).await
+    }
+
+    /// [`Scheduler::run_once`], claiming on the listener's connection when there is one.
+    ///
+    /// The claim is on the pickup path of every job: the notification arrives on the
+    /// listener's connection, and the claim goes back on it, with no pool checkout, and no
+    /// check-in ping (sqlx pings every connection returned to a pool, a round trip that
+    /// competed with the worker's fence for the CPU just as the job was handed over).
+    /// Notifications that arrive meanwhile are buffered by the listener.
+    async fn pass(&self, listener: Option<&mut PgListener>) -> Result<DispatchReport, DispatchError> {
         let queue = &self.config.queue;
         let db_error = |action| move |source| DispatchError::Database { action, queue: queue.clone(), source };
-        let (batch, cap) = (self.config.claim_batch, self.config.max_in_flight);
-        let claim = store::dispatch::claim_due_within(&self.pool, queue, batch, cap, self.config.dispatch_lease)
-            .await
-            .map_err(db_error("claim due jobs"))?;
+        let (batch, cap, lease) = (self.config.claim_batch, self.config.max_in_flight, self.config.dispatch_lease);
+        let claim = match listener {
+            Some(listener) => store::dispatch::claim_due_within(listener, queue, batch, cap, lease).await,
+            None => store::dispatch::claim_due_within(&self.pool, queue, batch, cap, lease).await,
+        }
+        .map_err(db_error("claim due jobs"))?;
         let claimed = claim.jobs;
         let mut report = DispatchReport {
             claimed: claimed.len(),
@@ -236,7 +249,7 @@ impl<P: Publisher> Scheduler<P> {
             }
 
             totals.passes += 1;
-            let wait = match self.run_once().await {
+            let wait = match self.pass(listener.as_mut()).await {
                 Ok(report) => {
                     totals.claimed += report.claimed as u64;
                     totals.published += report.published as u64;

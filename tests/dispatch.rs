@@ -366,12 +366,15 @@ async fn the_scheduler_listens_again_after_its_connection_is_terminated(pool: Pg
     .await
     .unwrap();
     assert!(!killed.is_empty());
-    // Give the scheduler time to notice and LISTEN again, then insert.
+    // Give the scheduler time to notice and LISTEN again, then insert. The scheduler claims
+    // on its listener's connection, right after the LISTEN: either is its last statement.
     common::eventually(Duration::from_secs(30), "the listener to reconnect", || {
         let pool = pool.clone();
         async move {
             let listening: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                   AND pid <> pg_backend_pid() AND state = 'idle'
+                   AND (query ILIKE 'LISTEN%' OR query LIKE '%WITH in_flight AS%')",
             )
             .fetch_one(&pool)
             .await

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgPool;
+use sqlx::{PgExecutor, PgPool};
 
 use super::millis;
 use crate::job::JobId;
@@ -107,7 +107,7 @@ pub struct Claim {
 /// `dispatched` for it, and the fence drops it. Either way the job runs once.
 /// `tests/worker.rs` (`a_claim_lost_in_a_crash_still_runs_its_job_once`) replays that crash.
 pub async fn claim_due_within(
-    pool: &PgPool,
+    executor: impl PgExecutor<'_>,
     queue: &str,
     limit: u32,
     max_in_flight: u32,
@@ -119,7 +119,7 @@ pub async fn claim_due_within(
         .bind(i64::from(limit))
         .bind(millis(lease))
         .bind(i64::from(max_in_flight))
-        .fetch_all(pool)
+        .fetch_all(executor)
         .await?;
     let (in_flight_before, next_due) = rows.first().map_or((0, None), |row| (row.4, row.5));
     let jobs = rows
