@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use rowq::store::dispatch::{self, CLAIM_SQL, RELEASE_SQL};
 use rowq::store::maintenance::{RESCUE_DISPATCHED_SQL, RESCUE_RUNNING_SQL};
-use rowq::store::run::{self, FINISH_SQL, START_SQL, StartRequest};
+use rowq::store::run::{self, FINISH_SQL, START_SQL, SUCCEED_SQL, StartRequest};
 use serde_json::Value;
 use sqlx::PgPool;
 
@@ -124,6 +124,15 @@ async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_i
         .await
         .unwrap();
     assert_reads_only_its_batch("finish", explained);
+    let explained: Value = sqlx::query_scalar(explain(SUCCEED_SQL))
+        .bind(&ids)
+        .bind(vec![1_i64; 10])
+        .bind(vec![1_i32; 10])
+        .bind(vec![Some("null"); 10])
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_reads_only_its_batch("succeed", explained);
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]

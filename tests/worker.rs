@@ -88,6 +88,16 @@ async fn run_to_end(pool: &PgPool, worker: &Worker, id: JobId) -> admin::JobRow 
     panic!("job {id} did not finish");
 }
 
+fn failed(error: &str) -> Outcome {
+    Outcome::Failed { error: error.to_string() }
+}
+
+/// A late success goes through the success-only finish statement, a late failure through the
+/// mixed one: each must refuse a stalled execution.
+fn stalled_outcomes() -> [Outcome; 2] {
+    [Outcome::Succeeded { result: json!("late") }, failed("late")]
+}
+
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_job_runs_once_and_its_result_and_its_writes_commit_together(pool: PgPool) {
     common::create_effects(&pool).await;
@@ -331,7 +341,10 @@ async fn a_worker_killed_mid_job_is_taken_over_by_the_redelivered_message_and_th
         outcome: Outcome::Succeeded { result: json!("zombie") },
     };
     assert!(finish(&pool, &[zombie]).await.unwrap().is_empty());
-    assert_eq!(common::job(&pool, id).await.result, Some(json!(2)));
+    let zombie = Finish { id, dispatch_gen: killed[0].dispatch_gen, attempt: 1, outcome: failed("zombie") };
+    assert!(finish(&pool, &[zombie]).await.unwrap().is_empty(), "the mixed-outcome statement has the guard too");
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!(2))));
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
@@ -499,7 +512,15 @@ async fn an_invocation_without_time_left_hands_its_records_back(pool: PgPool) {
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_stalled_worker_cannot_finish_a_job_that_was_rescued_or_dead_lettered_meanwhile(pool: PgPool) {
     // Rescue and dead-lettering change neither the generation nor the attempt: only the
-    // state guard stops the stalled worker's outcome.
+    // state guard stops the stalled worker's outcome, in either finish statement.
+    for outcome in stalled_outcomes() {
+        sqlx::query("TRUNCATE rowq.jobs").execute(&pool).await.unwrap();
+        a_stalled_worker_cannot_finish_a_rescued_or_dead_lettered_job(&pool, outcome).await;
+    }
+}
+
+async fn a_stalled_worker_cannot_finish_a_rescued_or_dead_lettered_job(pool: &PgPool, outcome: Outcome) {
+    let pool = pool.clone();
     let rescued = common::enqueue(&pool, "noop", json!({})).await;
     let dead = common::enqueue(&pool, "noop", json!({})).await;
     claim_due(&pool, "default", 2, Duration::from_secs(60)).await.unwrap();
@@ -511,8 +532,7 @@ async fn a_stalled_worker_cannot_finish_a_job_that_was_rescued_or_dead_lettered_
     sqlx::query("UPDATE rowq.jobs SET state = 'running' WHERE id = $1").bind(dead).execute(&pool).await.unwrap();
     rowq::store::run::dead_letter(&pool, dead, 1, "dead-lettered in a test").await.unwrap().unwrap();
 
-    let stalled =
-        |id| Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
+    let stalled = |id| Finish { id, dispatch_gen: 1, attempt: 1, outcome: outcome.clone() };
     let recorded = finish(&pool, &[stalled(rescued), stalled(dead)]).await.unwrap();
     assert!(recorded.is_empty(), "a stalled worker recorded an outcome: {recorded:?}");
     assert_eq!(common::job(&pool, rescued).await.state, JobState::Pending);
@@ -548,7 +568,15 @@ async fn a_batch_of_transactional_jobs_larger_than_the_pool_still_runs_in_one_at
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_stalled_execution_cannot_finish_the_run_of_a_job_retried_by_hand_meanwhile(pool: PgPool) {
     // A retry by hand resets `attempts`, so the new run's first execution has the same attempt
-    // number as the stalled one: only the generation tells them apart.
+    // number as the stalled one: only the generation tells them apart, in either statement.
+    for outcome in stalled_outcomes() {
+        sqlx::query("TRUNCATE rowq.jobs").execute(&pool).await.unwrap();
+        a_stalled_execution_cannot_finish_a_rerun(&pool, outcome).await;
+    }
+}
+
+async fn a_stalled_execution_cannot_finish_a_rerun(pool: &PgPool, outcome: Outcome) {
+    let pool = pool.clone();
     let id = common::enqueue(&pool, "noop", json!({})).await;
     claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let lease = |dispatch_gen| StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) };
@@ -559,7 +587,7 @@ async fn a_stalled_execution_cannot_finish_the_run_of_a_job_retried_by_hand_mean
     let rerun = start(&pool, &[lease(2)]).await.unwrap();
     assert_eq!((rerun.len(), rerun[0].attempt), (1, 1));
 
-    let stalled = Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
+    let stalled = Finish { id, dispatch_gen: 1, attempt: 1, outcome };
     let recorded = finish(&pool, &[stalled]).await.unwrap();
     assert!(recorded.is_empty(), "the stalled execution of generation 1 finished generation 2's run: {recorded:?}");
     assert_eq!(common::job(&pool, id).await.state, JobState::Running);
@@ -692,4 +720,47 @@ async fn a_database_failure_under_a_shared_statement_fails_every_batch_in_it(poo
         assert_eq!(failed, all, "every record of every batch is handed back");
     }
     assert_eq!(common::count_in_state(&pool, JobState::Dispatched).await, 6);
+}
+
+/// A stale and a current message for one job, in batches combined into one fence: the rows
+/// find their request by position, so the job named twice is fenced in a second statement.
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_stale_and_a_current_request_for_one_job_in_one_statement_start_it_and_record_it(pool: PgPool) {
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    sqlx::query("UPDATE rowq.jobs SET state = 'pending' WHERE id = $1").bind(id).execute(&pool).await.unwrap();
+    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(claimed[0].dispatch_gen, 2);
+    let request = |dispatch_gen| StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) };
+    let started = start(&pool, &[request(1), request(2)]).await.unwrap();
+    assert_eq!(started.iter().map(|s| (s.id, s.dispatch_gen)).collect::<Vec<_>>(), vec![(id, 2)]);
+
+    let done = |dispatch_gen| Finish {
+        id,
+        dispatch_gen,
+        attempt: 1,
+        outcome: Outcome::Succeeded { result: json!(dispatch_gen) },
+    };
+    let recorded = finish(&pool, &[done(1), done(2)]).await.unwrap();
+    assert_eq!(recorded.iter().map(|f| f.dispatch_gen).collect::<Vec<_>>(), vec![2]);
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!(2))));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn an_execution_taken_over_while_it_stalled_cannot_finish_the_one_that_took_over(pool: PgPool) {
+    // A take-over keeps the generation: only the attempt tells the two executions apart.
+    for outcome in stalled_outcomes() {
+        let id = common::enqueue(&pool, "noop", json!({})).await;
+        let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+        let request = |lease| StartRequest { id, dispatch_gen: claimed[0].dispatch_gen, lease };
+        assert_eq!(start(&pool, &[request(Duration::from_millis(50))]).await.unwrap()[0].attempt, 1);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(start(&pool, &[request(Duration::from_secs(60))]).await.unwrap()[0].attempt, 2);
+
+        let stalled = Finish { id, dispatch_gen: claimed[0].dispatch_gen, attempt: 1, outcome };
+        assert!(finish(&pool, &[stalled]).await.unwrap().is_empty(), "attempt 1 finished attempt 2's run");
+        let row = common::job(&pool, id).await;
+        assert_eq!((row.state, row.attempts), (JobState::Running, 2));
+    }
 }

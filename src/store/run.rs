@@ -44,15 +44,31 @@ pub const START_SQL: &str = r#"
         SET state = 'running',
             attempts = j.attempts + 1,
             started_at = now(),
-            run_deadline = now() + m.lease_ms * interval '1 millisecond',
+            run_deadline = now() + ($3::bigint[])[array_position($1::bigint[], j.id)] * interval '1 millisecond',
             dispatch_deadline = NULL,
             updated_at = now()
-        FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS m(id, dispatch_gen, lease_ms)
-        WHERE j.id = ANY ($1) AND j.id = m.id
-          AND j.dispatch_gen = m.dispatch_gen
+        WHERE j.id = ANY ($1)
+          AND j.dispatch_gen = ($2::bigint[])[array_position($1::bigint[], j.id)]
           AND j.attempts < j.max_attempts
           AND (j.state::text = 'dispatched' OR (j.state::text = 'running' AND j.run_deadline < now()))
         RETURNING j.id, j.dispatch_gen, j.attempts, j.max_attempts, j.kind, j.payload, j.group_key, j.run_deadline
+        "#;
+
+/// The statement of [`finish`] when every outcome is a success, the common case (public so
+/// that tests can `EXPLAIN` it): `running → succeeded` with the result, under the same guard.
+pub const SUCCEED_SQL: &str = r#"
+        UPDATE rowq.jobs j
+        SET state = 'succeeded',
+            result = ($4::jsonb[])[array_position($1::bigint[], j.id)],
+            last_error = NULL,
+            finished_at = now(),
+            run_deadline = NULL,
+            updated_at = now()
+        WHERE j.id = ANY ($1)
+          AND j.dispatch_gen = ($2::bigint[])[array_position($1::bigint[], j.id)]
+          AND j.attempts = ($3::int[])[array_position($1::bigint[], j.id)]
+          AND j.state::text = 'running'
+        RETURNING j.id, j.dispatch_gen, j.attempts
         "#;
 
 /// The fence, for a whole batch in one statement: `dispatched → running` for the message's
@@ -67,14 +83,32 @@ pub const START_SQL: &str = r#"
 /// table analyzed while its rows were all `pending`, the planner believed the `dispatched`
 /// index empty and scanned every in-flight row to start ten; now the cost is the batch's,
 /// whatever the statistics say. [`finish`] and `dispatch::release` do the same.
+///
+/// Each row finds its own request with `array_position`, not by joining `unnest(...)` of the
+/// arrays: for an `UPDATE ... FROM` a function scan, Postgres builds a whole-row copy of every
+/// joined row (for re-checks under concurrent updates) and hashes the join; with the
+/// success-only finish below this took Postgres's CPU per job in a drain from ~97 to ~83 µs.
+/// `array_position` finds an id's first request only, so a job named twice (a stale and a
+/// current message in batches combined into one statement) is asked again in a second one.
 pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
-    if requests.is_empty() {
-        return Ok(Vec::new());
+    let mut started = Vec::new();
+    let mut rest: Vec<&StartRequest> = requests.iter().collect();
+    while !rest.is_empty() {
+        let (now, later) = first_per_job(rest, |r| r.id);
+        let ids: Vec<i64> = now.iter().map(|r| r.id.0).collect();
+        let gens: Vec<i64> = now.iter().map(|r| r.dispatch_gen).collect();
+        let leases: Vec<i64> = now.iter().map(|r| millis(r.lease)).collect();
+        let rows: Vec<Started> = sqlx::query_as(START_SQL).bind(ids).bind(gens).bind(leases).fetch_all(pool).await?;
+        started.extend(rows);
+        rest = later;
     }
-    let ids: Vec<i64> = requests.iter().map(|r| r.id.0).collect();
-    let gens: Vec<i64> = requests.iter().map(|r| r.dispatch_gen).collect();
-    let leases: Vec<i64> = requests.iter().map(|r| millis(r.lease)).collect();
-    sqlx::query_as(START_SQL).bind(ids).bind(gens).bind(leases).fetch_all(pool).await
+    Ok(started)
+}
+
+/// The first item naming each job, and the items that name a job again.
+fn first_per_job<T>(items: Vec<&T>, job: fn(&T) -> JobId) -> (Vec<&T>, Vec<&T>) {
+    let mut seen = std::collections::HashSet::with_capacity(items.len());
+    items.into_iter().partition(|item| seen.insert(job(item)))
 }
 
 /// How an execution ended, as the row will record it.
@@ -137,6 +171,9 @@ pub const FINISH_SQL: &str = r#"
 ///
 /// Takes any executor: the pool for a batch of outcomes in one round trip, or the job's own
 /// transaction so the handler's writes commit with its completion, or not at all.
+///
+/// A batch of successes only, the common case, goes through [`SUCCEED_SQL`], which sets four
+/// columns and joins nothing; a mixed batch through [`FINISH_SQL`]. Both have the same guard.
 pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> Result<Vec<Finished>, sqlx::Error> {
     if finishes.is_empty() {
         return Ok(Vec::new());
@@ -163,6 +200,12 @@ pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> R
         results.push(result);
         errors.push(error);
         backoffs.push(backoff);
+    }
+    // SUCCEED_SQL finds each row's values by `array_position` (see `start`): an id's first
+    // only. A job named twice (a stale and a current execution) takes the joined statement.
+    let all_succeeded = finishes.iter().all(|f| matches!(f.outcome, Outcome::Succeeded { .. }));
+    if all_succeeded && first_per_job(finishes.iter().collect(), |f| f.id).1.is_empty() {
+        return sqlx::query_as(SUCCEED_SQL).bind(ids).bind(gens).bind(attempts).bind(results).fetch_all(executor).await;
     }
     sqlx::query_as(FINISH_SQL)
         .bind(ids)
