@@ -59,7 +59,7 @@ pub const START_SQL: &str = r#"
 pub const SUCCEED_SQL: &str = r#"
         UPDATE rowq.jobs j
         SET state = 'succeeded',
-            result = ($4::jsonb[])[array_position($1::bigint[], j.id)],
+            result = (($4::text[])[array_position($1::bigint[], j.id)])::jsonb,
             last_error = NULL,
             finished_at = now(),
             run_deadline = NULL,
