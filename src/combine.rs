@@ -14,15 +14,18 @@
 //! Requests with the same key (the same job generation delivered to two concurrent batches)
 //! are sent once; the answer goes to the first asker, and the other sees its request
 //! unanswered — exactly what a losing fence sees. An error (the database went away) goes to
-//! every batch of the statement.
+//! every batch of the statement, and so does a panic inside it, as an error: the combiner
+//! keeps serving the next batches.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash;
 use std::sync::Arc;
 
-use futures::StreamExt;
+use std::panic::AssertUnwindSafe;
+
 use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 
 /// How many combined statements of one kind run at once. One keeps a whole backlog's batches
@@ -110,7 +113,11 @@ async fn run<Q, R, K, F, Fut>(
                 }
                 let mut combined = combine(entries, request_key);
                 let requests = std::mem::take(&mut combined.requests);
-                in_flight.push(answer(execute(requests), combined, answer_key));
+                // A statement that panicked fails its batches, not the worker: the task goes on.
+                let statement = AssertUnwindSafe(execute(requests)).catch_unwind().map(|result| {
+                    result.unwrap_or_else(|_| Err(sqlx::Error::Protocol("the combined statement panicked".into())))
+                });
+                in_flight.push(answer(statement, combined, answer_key));
             }
         }
     }
@@ -177,5 +184,71 @@ async fn answer<Q, R, K: Eq + Hash>(
                 let _ = reply.send(Err(error.clone()));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    type Sizes = Arc<std::sync::Mutex<Vec<usize>>>;
+
+    /// A statement that answers each request with itself, and fails or panics when asked to.
+    fn echo() -> Combiner<i32, i32> {
+        echo_counting(Sizes::default())
+    }
+
+    /// [`echo`], recording how many requests each statement had.
+    fn echo_counting(sizes: Sizes) -> Combiner<i32, i32> {
+        Combiner::spawn(
+            |q: &i32| *q,
+            |r: &i32| *r,
+            move |requests: Vec<i32>| {
+                sizes.lock().unwrap().push(requests.len());
+                async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    if requests.contains(&-1) {
+                        return Err(sqlx::Error::PoolClosed);
+                    }
+                    assert!(!requests.contains(&-2), "asked to panic");
+                    Ok(requests)
+                }
+            },
+        )
+    }
+
+    #[tokio::test]
+    async fn each_caller_gets_the_answers_to_its_own_requests_and_a_repeated_one_goes_to_the_first() {
+        let combiner = echo();
+        let (a, b, c) = tokio::join!(combiner.call(vec![1, 2]), combiner.call(vec![3, 2]), combiner.call(vec![4]));
+        assert_eq!((a.unwrap(), b.unwrap(), c.unwrap()), (vec![1, 2], vec![3], vec![4]));
+        assert!(combiner.call(Vec::new()).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_error_reaches_every_caller_of_the_statement_and_a_panic_does_not_stop_the_combiner() {
+        let combiner = echo();
+        // On this single-threaded runtime both calls are queued before the task runs: one statement.
+        let (first, second) = tokio::join!(combiner.call(vec![1]), combiner.call(vec![-1]));
+        assert!(matches!(*first.unwrap_err(), sqlx::Error::PoolClosed));
+        assert!(matches!(*second.unwrap_err(), sqlx::Error::PoolClosed));
+
+        let panicked = combiner.call(vec![-2]).await.unwrap_err();
+        assert!(panicked.to_string().contains("panicked"), "{panicked}");
+        assert_eq!(combiner.call(vec![8]).await.unwrap(), vec![8], "still serving after a panic");
+    }
+
+    #[tokio::test]
+    async fn requests_beyond_the_statement_limit_wait_for_the_next_statement() {
+        let sizes = Sizes::default();
+        let combiner = echo_counting(sizes.clone());
+        let big: Vec<i32> = (0..MAX_REQUESTS as i32 - 5).collect();
+        let more: Vec<i32> = (1000..1010).collect();
+        let (a, b, c) = tokio::join!(combiner.call(vec![500]), combiner.call(big.clone()), combiner.call(more.clone()));
+        let answers = [a, b, c].map(|answer| answer.map_err(|error| error.to_string()));
+        assert_eq!(answers, [Ok(vec![500]), Ok(big), Ok(more)]);
+        assert_eq!(*sizes.lock().unwrap(), vec![MAX_REQUESTS - 4, 10], "the third caller did not fit in the first");
     }
 }
