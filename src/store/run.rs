@@ -178,35 +178,44 @@ pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> R
     if finishes.is_empty() {
         return Ok(Vec::new());
     }
-    let mut ids = Vec::with_capacity(finishes.len());
-    let mut gens = Vec::with_capacity(finishes.len());
-    let mut attempts = Vec::with_capacity(finishes.len());
-    let mut states = Vec::with_capacity(finishes.len());
-    let mut results: Vec<Option<String>> = Vec::with_capacity(finishes.len());
-    let mut errors: Vec<Option<String>> = Vec::with_capacity(finishes.len());
-    let mut backoffs: Vec<i64> = Vec::with_capacity(finishes.len());
-    for finish in finishes {
-        ids.push(finish.id.0);
-        gens.push(finish.dispatch_gen);
-        attempts.push(finish.attempt);
-        let (state, result, error, backoff) = match &finish.outcome {
-            Outcome::Succeeded { result } => (JobState::Succeeded, Some(storable_json(result)), None, 0),
-            Outcome::RetryLater { error, backoff } => {
-                (JobState::Pending, None, Some(storable_error(error)), millis(*backoff))
-            }
-            Outcome::Failed { error } => (JobState::Failed, None, Some(storable_error(error)), 0),
-        };
-        states.push(state.as_str());
-        results.push(result);
-        errors.push(error);
-        backoffs.push(backoff);
-    }
+    let ids: Vec<i64> = finishes.iter().map(|f| f.id.0).collect();
+    let gens: Vec<i64> = finishes.iter().map(|f| f.dispatch_gen).collect();
+    let attempts: Vec<i32> = finishes.iter().map(|f| f.attempt).collect();
+    let results: Vec<Option<String>> = finishes
+        .iter()
+        .map(|f| match &f.outcome {
+            Outcome::Succeeded { result } => Some(storable_json(result)),
+            Outcome::RetryLater { .. } | Outcome::Failed { .. } => None,
+        })
+        .collect();
     // SUCCEED_SQL finds each row's values by `array_position` (see `start`): an id's first
     // only. A job named twice (a stale and a current execution) takes the joined statement.
-    let all_succeeded = finishes.iter().all(|f| matches!(f.outcome, Outcome::Succeeded { .. }));
+    let all_succeeded = results.iter().all(Option::is_some);
     if all_succeeded && first_per_job(finishes.iter().collect(), |f| f.id).1.is_empty() {
         return sqlx::query_as(SUCCEED_SQL).bind(ids).bind(gens).bind(attempts).bind(results).fetch_all(executor).await;
     }
+    let states: Vec<&str> = finishes
+        .iter()
+        .map(|f| match f.outcome {
+            Outcome::Succeeded { .. } => JobState::Succeeded.as_str(),
+            Outcome::RetryLater { .. } => JobState::Pending.as_str(),
+            Outcome::Failed { .. } => JobState::Failed.as_str(),
+        })
+        .collect();
+    let errors: Vec<Option<String>> = finishes
+        .iter()
+        .map(|f| match &f.outcome {
+            Outcome::Succeeded { .. } => None,
+            Outcome::RetryLater { error, .. } | Outcome::Failed { error } => Some(storable_error(error)),
+        })
+        .collect();
+    let backoffs: Vec<i64> = finishes
+        .iter()
+        .map(|f| match f.outcome {
+            Outcome::RetryLater { backoff, .. } => millis(backoff),
+            Outcome::Succeeded { .. } | Outcome::Failed { .. } => 0,
+        })
+        .collect();
     sqlx::query_as(FINISH_SQL)
         .bind(ids)
         .bind(gens)
