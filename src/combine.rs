@@ -20,9 +20,8 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash;
-use std::sync::Arc;
-
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
@@ -40,8 +39,8 @@ pub const MAX_REQUESTS: usize = 100;
 /// the statement's error.
 pub type Answer<R> = Result<Vec<R>, Arc<sqlx::Error>>;
 
-/// Combines concurrent calls of one statement. Cheap to share; the task that sends the
-/// statements ends when the combiner is dropped, after the statements in flight.
+/// Combines concurrent calls of one statement; share it by reference. The task that sends
+/// the statements ends when the combiner is dropped, after the statements in flight.
 pub struct Combiner<Q, R> {
     entries: mpsc::UnboundedSender<Entry<Q, R>>,
 }
@@ -111,13 +110,12 @@ async fn run<Q, R, K, F, Fut>(
                         Err(_) => break,
                     }
                 }
-                let mut combined = combine(entries, request_key);
-                let requests = std::mem::take(&mut combined.requests);
+                let (requests, routes) = combine(entries, request_key);
                 // A statement that panicked fails its batches, not the worker: the task goes on.
                 let statement = AssertUnwindSafe(execute(requests)).catch_unwind().map(|result| {
                     result.unwrap_or_else(|_| Err(sqlx::Error::Protocol("the combined statement panicked".into())))
                 });
-                in_flight.push(answer(statement, combined, answer_key));
+                in_flight.push(answer(statement, routes, answer_key));
             }
         }
     }
@@ -135,37 +133,37 @@ async fn next_entry<Q, R>(
     }
 }
 
-/// The requests of several entries in one list, each key once.
-struct Combined<Q, R, K> {
-    requests: Vec<Q>,
+/// Where the answers of one statement go.
+struct Routes<R, K> {
     /// Which entry asked first for each key.
     asker: HashMap<K, usize>,
     /// Where each entry's answers go.
     replies: Vec<oneshot::Sender<Answer<R>>>,
 }
 
-fn combine<Q, R, K: Eq + Hash>(entries: Vec<Entry<Q, R>>, request_key: fn(&Q) -> K) -> Combined<Q, R, K> {
-    let mut combined =
-        Combined { requests: Vec::new(), asker: HashMap::new(), replies: Vec::with_capacity(entries.len()) };
+/// The requests of several entries in one list, each key once, and where their answers go.
+fn combine<Q, R, K: Eq + Hash>(entries: Vec<Entry<Q, R>>, request_key: fn(&Q) -> K) -> (Vec<Q>, Routes<R, K>) {
+    let mut requests = Vec::new();
+    let mut routes = Routes { asker: HashMap::new(), replies: Vec::with_capacity(entries.len()) };
     for (index, entry) in entries.into_iter().enumerate() {
         for request in entry.requests {
-            if let std::collections::hash_map::Entry::Vacant(first) = combined.asker.entry(request_key(&request)) {
+            if let std::collections::hash_map::Entry::Vacant(first) = routes.asker.entry(request_key(&request)) {
                 first.insert(index);
-                combined.requests.push(request);
+                requests.push(request);
             }
         }
-        combined.replies.push(entry.reply);
+        routes.replies.push(entry.reply);
     }
-    combined
+    (requests, routes)
 }
 
 /// Waits for the statement and routes its answers, by key, to who asked.
-async fn answer<Q, R, K: Eq + Hash>(
+async fn answer<R, K: Eq + Hash>(
     statement: impl Future<Output = Result<Vec<R>, sqlx::Error>>,
-    combined: Combined<Q, R, K>,
+    routes: Routes<R, K>,
     answer_key: fn(&R) -> K,
 ) {
-    let Combined { asker, replies, .. } = combined;
+    let Routes { asker, replies } = routes;
     match statement.await {
         Ok(answers) => {
             let mut routed: Vec<Vec<R>> = replies.iter().map(|_| Vec::new()).collect();
