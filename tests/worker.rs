@@ -98,6 +98,14 @@ fn stalled_outcomes() -> [Outcome; 2] {
     [Outcome::Succeeded { result: json!("late") }, failed("late")]
 }
 
+/// Runs `check` once per stalled outcome, each time on an empty table.
+async fn with_each_stalled_outcome(pool: &PgPool, check: impl AsyncFn(&PgPool, Outcome)) {
+    for outcome in stalled_outcomes() {
+        sqlx::query("TRUNCATE rowq.jobs").execute(pool).await.unwrap();
+        check(pool, outcome).await;
+    }
+}
+
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_job_runs_once_and_its_result_and_its_writes_commit_together(pool: PgPool) {
     common::create_effects(&pool).await;
@@ -244,12 +252,8 @@ async fn results_and_errors_postgres_cannot_store_are_cleaned_without_failing_th
     let fine = common::enqueue(&pool, "echo", json!({"n": 1})).await;
     let nul_result = common::enqueue(&pool, "nul", json!({})).await;
     let nul_error = common::enqueue(&pool, "nul", json!({"fail": true})).await;
-    let claimed = claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
-    let records = claimed
-        .iter()
-        .map(|c| record(&format!("m{}", c.id), &format!("g{}", c.id), message(c.id, c.dispatch_gen)))
-        .collect();
-    assert!(deliver(&worker, records).await.is_empty(), "every outcome was recorded");
+    let batch = claimed_batches(&pool, 10).await.remove(0);
+    assert!(deliver(&worker, batch).await.is_empty(), "every outcome was recorded");
 
     assert_eq!(common::job(&pool, fine).await.state, JobState::Succeeded);
     let row = common::job(&pool, nul_result).await;
@@ -513,30 +517,26 @@ async fn an_invocation_without_time_left_hands_its_records_back(pool: PgPool) {
 async fn a_stalled_worker_cannot_finish_a_job_that_was_rescued_or_dead_lettered_meanwhile(pool: PgPool) {
     // Rescue and dead-lettering change neither the generation nor the attempt: only the
     // state guard stops the stalled worker's outcome, in either finish statement.
-    for outcome in stalled_outcomes() {
-        sqlx::query("TRUNCATE rowq.jobs").execute(&pool).await.unwrap();
-        a_stalled_worker_cannot_finish_a_rescued_or_dead_lettered_job(&pool, outcome).await;
-    }
+    with_each_stalled_outcome(&pool, a_stalled_worker_cannot_finish_a_rescued_or_dead_lettered_job).await;
 }
 
 async fn a_stalled_worker_cannot_finish_a_rescued_or_dead_lettered_job(pool: &PgPool, outcome: Outcome) {
-    let pool = pool.clone();
-    let rescued = common::enqueue(&pool, "noop", json!({})).await;
-    let dead = common::enqueue(&pool, "noop", json!({})).await;
-    claim_due(&pool, "default", 2, Duration::from_secs(60)).await.unwrap();
+    let rescued = common::enqueue(pool, "noop", json!({})).await;
+    let dead = common::enqueue(pool, "noop", json!({})).await;
+    claim_due(pool, "default", 2, Duration::from_secs(60)).await.unwrap();
     let lease = |id| StartRequest { id, dispatch_gen: 1, lease: Duration::from_millis(50) };
-    start(&pool, &[lease(rescued), lease(dead)]).await.unwrap();
+    start(pool, &[lease(rescued), lease(dead)]).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(rowq::store::maintenance::rescue_running(&pool, Duration::ZERO).await.unwrap().len(), 2);
+    assert_eq!(rowq::store::maintenance::rescue_running(pool, Duration::ZERO).await.unwrap().len(), 2);
     // Put `dead` back to running and dead-letter it instead.
-    sqlx::query("UPDATE rowq.jobs SET state = 'running' WHERE id = $1").bind(dead).execute(&pool).await.unwrap();
-    rowq::store::run::dead_letter(&pool, dead, 1, "dead-lettered in a test").await.unwrap().unwrap();
+    sqlx::query("UPDATE rowq.jobs SET state = 'running' WHERE id = $1").bind(dead).execute(pool).await.unwrap();
+    rowq::store::run::dead_letter(pool, dead, 1, "dead-lettered in a test").await.unwrap().unwrap();
 
     let stalled = |id| Finish { id, dispatch_gen: 1, attempt: 1, outcome: outcome.clone() };
-    let recorded = finish(&pool, &[stalled(rescued), stalled(dead)]).await.unwrap();
+    let recorded = finish(pool, &[stalled(rescued), stalled(dead)]).await.unwrap();
     assert!(recorded.is_empty(), "a stalled worker recorded an outcome: {recorded:?}");
-    assert_eq!(common::job(&pool, rescued).await.state, JobState::Pending);
-    assert_eq!(common::job(&pool, dead).await.state, JobState::Failed);
+    assert_eq!(common::job(pool, rescued).await.state, JobState::Pending);
+    assert_eq!(common::job(pool, dead).await.state, JobState::Failed);
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
@@ -569,28 +569,24 @@ async fn a_batch_of_transactional_jobs_larger_than_the_pool_still_runs_in_one_at
 async fn a_stalled_execution_cannot_finish_the_run_of_a_job_retried_by_hand_meanwhile(pool: PgPool) {
     // A retry by hand resets `attempts`, so the new run's first execution has the same attempt
     // number as the stalled one: only the generation tells them apart, in either statement.
-    for outcome in stalled_outcomes() {
-        sqlx::query("TRUNCATE rowq.jobs").execute(&pool).await.unwrap();
-        a_stalled_execution_cannot_finish_a_rerun(&pool, outcome).await;
-    }
+    with_each_stalled_outcome(&pool, a_stalled_execution_cannot_finish_a_rerun).await;
 }
 
 async fn a_stalled_execution_cannot_finish_a_rerun(pool: &PgPool, outcome: Outcome) {
-    let pool = pool.clone();
-    let id = common::enqueue(&pool, "noop", json!({})).await;
-    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let id = common::enqueue(pool, "noop", json!({})).await;
+    claim_due(pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let lease = |dispatch_gen| StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) };
-    assert_eq!(start(&pool, &[lease(1)]).await.unwrap().len(), 1);
-    rowq::store::run::dead_letter(&pool, id, 1, "dead-lettered in a test").await.unwrap().unwrap();
-    assert!(rowq::store::admin::retry(&pool, id).await.unwrap().is_some());
-    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
-    let rerun = start(&pool, &[lease(2)]).await.unwrap();
+    assert_eq!(start(pool, &[lease(1)]).await.unwrap().len(), 1);
+    rowq::store::run::dead_letter(pool, id, 1, "dead-lettered in a test").await.unwrap().unwrap();
+    assert!(rowq::store::admin::retry(pool, id).await.unwrap().is_some());
+    claim_due(pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let rerun = start(pool, &[lease(2)]).await.unwrap();
     assert_eq!((rerun.len(), rerun[0].attempt), (1, 1));
 
     let stalled = Finish { id, dispatch_gen: 1, attempt: 1, outcome };
-    let recorded = finish(&pool, &[stalled]).await.unwrap();
+    let recorded = finish(pool, &[stalled]).await.unwrap();
     assert!(recorded.is_empty(), "the stalled execution of generation 1 finished generation 2's run: {recorded:?}");
-    assert_eq!(common::job(&pool, id).await.state, JobState::Running);
+    assert_eq!(common::job(pool, id).await.state, JobState::Running);
 }
 
 /// The claim commits asynchronously. A server crash that loses it brings the row back
