@@ -496,6 +496,23 @@ async fn claims_are_committed_before_anything_is_sent(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn claims_made_on_the_listener_connection_are_committed_before_anything_is_sent_too(pool: PgPool) {
+    // The running scheduler claims on its listener's connection, not through `run_once`'s pool.
+    common::enqueue_many(&pool, "noop", 30).await;
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.drain_for = Some(Duration::from_millis(500));
+    let scheduler = Scheduler::new(pool.clone(), Inspecting { pool: pool.clone(), seen: Default::default() }, config);
+    let (_keep, shutdown) = watch::channel(false);
+    let published = scheduler.run(shutdown, false).await.published;
+    let seen = scheduler.publisher().seen.lock().unwrap().clone();
+    assert!(
+        seen.iter().all(|s| *s == JobState::Dispatched),
+        "rows not committed as dispatched during publish: {seen:?}"
+    );
+    assert_eq!((published, seen.len()), (30, 30));
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn a_job_id_used_again_after_the_table_is_recreated_is_not_dropped_by_sqs_deduplication(pool: PgPool) {
     // SQS silently drops a message whose dedup id it saw in the last five minutes. Job ids
     // come back after TRUNCATE ... RESTART IDENTITY or a restore from backup.
