@@ -1,6 +1,6 @@
-//! Group commit for the worker's two statements: the fences (and the finishes) that
-//! concurrent batches of one process ask for at the same moment go to Postgres as one
-//! statement.
+//! Group commit for the worker's statements: the fences and the finishes that concurrent
+//! batches of one process ask for at the same moment go to Postgres as one statement
+//! (`store::run::step`).
 //!
 //! The local runner hands each of its pollers' batches (up to 10 records: the most a FIFO
 //! queue delivers) to one shared [`crate::Worker`]. Each batch used to fence and finish in
@@ -27,9 +27,10 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 
-/// How many combined statements of one kind run at once. One keeps a whole backlog's batches
+/// How many combined statements run at once. One keeps a whole backlog's batches
 /// queuing behind a single statement; two lets Postgres work on one while the answer of the
-/// other travels back. More gained nothing measurable on two cores (BENCHMARKS.md).
+/// other travels back. More cost CPU per job on two cores and gained no throughput, with
+/// fences and finishes in separate queues and again in one (BENCHMARKS.md).
 pub const STATEMENTS_IN_FLIGHT: usize = 2;
 
 /// The most requests in one statement: the fence returns each job's payload (up to 1 MiB).

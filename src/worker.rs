@@ -12,7 +12,8 @@
 //! - The fence of a batch is one statement; so is the finish of every job that did not write
 //!   through its own transaction. A job that did is finished inside that transaction.
 //!   Batches handled at the same time by one process (the local runner's pollers) share those
-//!   statements ([`crate::combine`]).
+//!   statements, one batch's finish going with another's fence ([`crate::combine`],
+//!   [`run::step`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -26,7 +27,7 @@ use crate::combine::Combiner;
 use crate::config::WorkerConfig;
 use crate::handlers::{JobContext, Registry, catching_panics};
 use crate::job::{JobError, JobId, JobMessage};
-use crate::store::run::{self, Finish, Finished, Outcome, StartRequest, Started};
+use crate::store::run::{self, Done, Finish, Finished, Outcome, StartRequest, Started, Step};
 
 /// The SQS record attribute that names the FIFO message group.
 pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
@@ -36,8 +37,8 @@ pub struct Worker {
     pool: PgPool,
     registry: Registry,
     config: WorkerConfig,
-    starts: Combiner<StartRequest, Started>,
-    finishes: Combiner<Finish, Finished>,
+    /// Fences and finishes of concurrent batches, combined ([`run::step`]).
+    steps: Combiner<Step, Done>,
 }
 
 /// A record this worker will act on.
@@ -71,29 +72,14 @@ impl Worker {
     /// Must be called within a Tokio runtime: it starts the tasks that send the fences and
     /// finishes.
     pub fn new(pool: PgPool, registry: Registry, config: WorkerConfig) -> Self {
-        let starts = {
+        let steps = {
             let pool = pool.clone();
-            Combiner::spawn(
-                |r: &StartRequest| (r.id, r.dispatch_gen),
-                |s: &Started| (s.id, s.dispatch_gen),
-                move |requests| {
-                    let pool = pool.clone();
-                    async move { run::start(&pool, &requests).await }
-                },
-            )
+            Combiner::spawn(Step::key, Done::key, move |steps| {
+                let pool = pool.clone();
+                async move { run::step(&pool, steps).await }
+            })
         };
-        let finishes = {
-            let pool = pool.clone();
-            Combiner::spawn(
-                |f: &Finish| Finished { id: f.id, dispatch_gen: f.dispatch_gen, attempt: f.attempt },
-                |f: &Finished| *f,
-                move |finishes| {
-                    let pool = pool.clone();
-                    async move { run::finish(&pool, &finishes).await }
-                },
-            )
-        };
-        Worker { pool, registry, config, starts, finishes }
+        Worker { pool, registry, config, steps }
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -155,8 +141,8 @@ impl Worker {
             .iter()
             .map(|(_, r)| StartRequest { id: r.message.job_id, dispatch_gen: r.message.dispatch_gen, lease })
             .collect();
-        let started = match self.starts.call(requests).await {
-            Ok(started) => started,
+        let started = match self.steps.call(requests.into_iter().map(Step::Start).collect()).await {
+            Ok(done) => done.into_iter().filter_map(|d| if let Done::Started(s) = d { Some(s) } else { None }),
             Err(error) => {
                 tracing::error!(error = %error, records = round.len(), "could not start jobs: database unavailable; records will be redelivered");
                 return round.iter().map(|(g, _)| *g).collect();
@@ -263,9 +249,10 @@ impl Worker {
             executions.iter().partition(|e| matches!(e.recorded, Recorded::Pending));
 
         let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(&e.job, &e.outcome)).collect();
-        match self.finishes.call(finishes).await {
-            Ok(recorded) => {
-                let recorded: HashSet<Finished> = recorded.into_iter().collect();
+        match self.steps.call(finishes.into_iter().map(Step::Finish).collect()).await {
+            Ok(done) => {
+                let recorded: HashSet<Finished> =
+                    done.into_iter().filter_map(|d| if let Done::Finished(f) = d { Some(f) } else { None }).collect();
                 for execution in pending {
                     if recorded.contains(&execution.key()) {
                         finished.push(execution);

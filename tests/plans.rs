@@ -133,6 +133,22 @@ async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_i
         .await
         .unwrap();
     assert_reads_only_its_batch("succeed", explained);
+
+    // The fence and the success-only finish in one statement: the fence's rows are the next
+    // ten claimed, still `dispatched`.
+    let next: Vec<i64> = claimed.iter().skip(10).take(10).map(|c| c.id.0).collect();
+    let explained: Value = sqlx::query_scalar(explain(&run::STEP_SQL))
+        .bind(&ids)
+        .bind(vec![1_i64; 10])
+        .bind(vec![1_i32; 10])
+        .bind(vec![Some("null"); 10])
+        .bind(&next)
+        .bind(vec![1_i64; 10])
+        .bind(vec![60_000_i64; 10])
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_reads_only_its_batch("fence and finish", explained);
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]

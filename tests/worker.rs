@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use rowq::store::admin::{self, NewJob};
 use rowq::store::dispatch::claim_due;
-use rowq::store::run::{Finish, Outcome, StartRequest, finish, start};
+use rowq::store::run::{Done, Finish, Outcome, StartRequest, Step, StepKey, finish, start, step};
 use rowq::{JobContext, JobId, JobMessage, JobState, MemoryPublisher, Registry, Scheduler, Worker, maintenance};
 use serde_json::json;
 use sqlx::PgPool;
@@ -759,4 +759,68 @@ async fn an_execution_taken_over_while_it_stalled_cannot_finish_the_one_that_too
         let row = common::job(&pool, id).await;
         assert_eq!((row.state, row.attempts), (JobState::Running, 2));
     }
+}
+
+/// The finish of one batch and the fence of the next, asked at once, go to Postgres as one
+/// statement (`finished_at` of the one is `started_at` of the other: `now()` of one
+/// transaction), and each keeps its guard there.
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_finish_and_a_fence_asked_at_once_share_one_statement_and_keep_their_guards(pool: PgPool) {
+    let [done, next, stalled, stale]: [JobId; 4] = common::enqueue_many(&pool, "noop", 4).await.try_into().unwrap();
+    claim_due(&pool, "default", 4, Duration::from_secs(60)).await.unwrap();
+    let request = |id, dispatch_gen, lease| StartRequest { id, dispatch_gen, lease };
+    start(&pool, &[request(done, 1, Duration::from_secs(60)), request(stalled, 1, Duration::from_millis(50))])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(start(&pool, &[request(stalled, 1, Duration::from_secs(60))]).await.unwrap()[0].attempt, 2);
+    sqlx::query("UPDATE rowq.jobs SET state = 'pending' WHERE id = $1").bind(stale).execute(&pool).await.unwrap();
+    assert_eq!(claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap()[0].dispatch_gen, 2);
+
+    let succeeded =
+        |id, attempt| Finish { id, dispatch_gen: 1, attempt, outcome: Outcome::Succeeded { result: json!(id) } };
+    let steps = vec![
+        Step::Finish(succeeded(done, 1)),
+        Step::Finish(succeeded(stalled, 1)),
+        Step::Start(request(next, 1, Duration::from_secs(60))),
+        Step::Start(request(stale, 1, Duration::from_secs(60))),
+    ];
+    let answered: Vec<StepKey> = step(&pool, steps).await.unwrap().iter().map(Done::key).collect();
+    let expected = vec![
+        StepKey::Finish(rowq::store::run::Finished { id: done, dispatch_gen: 1, attempt: 1 }),
+        StepKey::Start { id: next, dispatch_gen: 1 },
+    ];
+    assert_eq!(answered, expected, "only the current finish and fence are answered");
+
+    let (done, next, stalled, stale) = (
+        common::job(&pool, done).await,
+        common::job(&pool, next).await,
+        common::job(&pool, stalled).await,
+        common::job(&pool, stale).await,
+    );
+    assert_eq!((done.state, done.result), (JobState::Succeeded, Some(json!(done.id))));
+    assert_eq!((next.state, next.attempts), (JobState::Running, 1));
+    assert_eq!(done.finished_at, next.started_at, "the finish and the fence were two statements");
+    assert_eq!((stalled.state, stalled.attempts, stalled.result), (JobState::Running, 2, None), "attempt guard");
+    assert_eq!((stale.state, stale.dispatch_gen), (JobState::Dispatched, 2), "generation guard");
+}
+
+/// A job named by a finish and by a fence at once (a stalled execution reports while a
+/// redelivered message takes it over) is asked in two statements: in one, the two `UPDATE`s
+/// would race for the row on one snapshot, and which of them took it would be Postgres's
+/// choice. Fenced first, the take-over wins and the stalled execution records nothing.
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_job_named_by_a_finish_and_a_fence_at_once_is_taken_over_in_two_statements(pool: PgPool) {
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let request = |lease| StartRequest { id, dispatch_gen: 1, lease };
+    start(&pool, &[request(Duration::from_millis(50))]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let stalled = Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
+    let steps = vec![Step::Finish(stalled), Step::Start(request(Duration::from_secs(60)))];
+    let answered: Vec<StepKey> = step(&pool, steps).await.unwrap().iter().map(Done::key).collect();
+    assert_eq!(answered, vec![StepKey::Start { id, dispatch_gen: 1 }]);
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.attempts, row.result), (JobState::Running, 2, None));
 }

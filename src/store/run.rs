@@ -6,6 +6,8 @@
 //! message started the job again) can no longer finish it, even though the generation is
 //! the same.
 
+use std::collections::HashSet;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -181,13 +183,7 @@ pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> R
     let ids: Vec<i64> = finishes.iter().map(|f| f.id.0).collect();
     let gens: Vec<i64> = finishes.iter().map(|f| f.dispatch_gen).collect();
     let attempts: Vec<i32> = finishes.iter().map(|f| f.attempt).collect();
-    let results: Vec<Option<String>> = finishes
-        .iter()
-        .map(|f| match &f.outcome {
-            Outcome::Succeeded { result } => Some(storable_json(result)),
-            Outcome::RetryLater { .. } | Outcome::Failed { .. } => None,
-        })
-        .collect();
+    let results = stored_results(finishes);
     // SUCCEED_SQL finds each row's values by `array_position` (see `start`): an id's first
     // only. A job named twice (a stale and a current execution) takes the joined statement.
     let all_succeeded = results.iter().all(Option::is_some);
@@ -226,6 +222,149 @@ pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> R
         .bind(backoffs)
         .fetch_all(executor)
         .await
+}
+
+/// One request of a worker's combined statement (see [`step`]): a fence or a finish.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    Start(StartRequest),
+    Finish(Finish),
+}
+
+/// The answer to a [`Step`]: the job started, or the outcome recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Done {
+    Started(Started),
+    Finished(Finished),
+}
+
+/// What a [`Step`] and its [`Done`] have in common: the execution they are about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StepKey {
+    Start { id: JobId, dispatch_gen: i64 },
+    Finish(Finished),
+}
+
+impl Step {
+    pub fn key(&self) -> StepKey {
+        match self {
+            Step::Start(r) => StepKey::Start { id: r.id, dispatch_gen: r.dispatch_gen },
+            Step::Finish(f) => StepKey::Finish(Finished { id: f.id, dispatch_gen: f.dispatch_gen, attempt: f.attempt }),
+        }
+    }
+}
+
+impl Done {
+    pub fn key(&self) -> StepKey {
+        match self {
+            Done::Started(s) => StepKey::Start { id: s.id, dispatch_gen: s.dispatch_gen },
+            Done::Finished(f) => StepKey::Finish(*f),
+        }
+    }
+}
+
+/// The statement of [`step`]: [`SUCCEED_SQL`] over `$1..$4` and [`START_SQL`] over `$5..$7`,
+/// each a data-modifying CTE of one statement, their rows in one result (public so that tests
+/// can `EXPLAIN` it).
+pub static STEP_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH finished AS ({SUCCEED_SQL}),
+        started AS ({start})
+        SELECT false AS started, id, dispatch_gen, attempts,
+               NULL::int AS max_attempts, NULL::text AS kind, NULL::jsonb AS payload,
+               NULL::text AS group_key, NULL::timestamptz AS run_deadline
+        FROM finished
+        UNION ALL
+        SELECT true, id, dispatch_gen, attempts, max_attempts, kind::text, payload, group_key::text, run_deadline
+        FROM started",
+        start = START_SQL.replace("$1", "$5").replace("$2", "$6").replace("$3", "$7"),
+    )
+});
+
+/// The fences and the finishes of concurrent batches, in as few statements as they allow:
+/// one, when there are both and the finishes are successes of jobs none of the fences names
+/// (the common case: one batch's finish and the next batch's fence meet in the combiner);
+/// otherwise [`start`] and [`finish`] one after the other. One statement makes one
+/// synchronous commit where there were two, and the batches wait for one round trip.
+///
+/// The two `UPDATE`s of [`STEP_SQL`] run on one snapshot and cannot see each other's rows, so
+/// a job named by both (a stale execution's finish and a newer message's fence) would be
+/// updated by one of them only: such a batch takes two statements. Every guard is the one of
+/// [`START_SQL`] and [`SUCCEED_SQL`], whose text the statement is built from.
+pub async fn step(pool: &PgPool, steps: Vec<Step>) -> Result<Vec<Done>, sqlx::Error> {
+    let (mut starts, mut finishes) = (Vec::new(), Vec::new());
+    for step in steps {
+        match step {
+            Step::Start(request) => starts.push(request),
+            Step::Finish(finish) => finishes.push(finish),
+        }
+    }
+    let starting: HashSet<JobId> = starts.iter().map(|r| r.id).collect();
+    let finishing: HashSet<JobId> = finishes.iter().map(|f| f.id).collect();
+    let results = stored_results(&finishes);
+    let one_statement = !starts.is_empty()
+        && !finishes.is_empty()
+        && starting.len() == starts.len()
+        && finishing.len() == finishes.len()
+        && starting.is_disjoint(&finishing)
+        && results.iter().all(Option::is_some);
+    if !one_statement {
+        let mut done: Vec<Done> = start(pool, &starts).await?.into_iter().map(Done::Started).collect();
+        done.extend(finish(pool, &finishes).await?.into_iter().map(Done::Finished));
+        return Ok(done);
+    }
+    type Row = (
+        bool,
+        JobId,
+        i64,
+        i32,
+        Option<i32>,
+        Option<String>,
+        Option<serde_json::Value>,
+        Option<String>,
+        Option<DateTime<Utc>>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(STEP_SQL.as_str())
+        .bind(finishes.iter().map(|f| f.id.0).collect::<Vec<i64>>())
+        .bind(finishes.iter().map(|f| f.dispatch_gen).collect::<Vec<i64>>())
+        .bind(finishes.iter().map(|f| f.attempt).collect::<Vec<i32>>())
+        .bind(results)
+        .bind(starts.iter().map(|r| r.id.0).collect::<Vec<i64>>())
+        .bind(starts.iter().map(|r| r.dispatch_gen).collect::<Vec<i64>>())
+        .bind(starts.iter().map(|r| millis(r.lease)).collect::<Vec<i64>>())
+        .fetch_all(pool)
+        .await?;
+    rows.into_iter()
+        .map(|(started, id, dispatch_gen, attempt, max_attempts, kind, payload, group_key, run_deadline)| {
+            if !started {
+                return Ok(Done::Finished(Finished { id, dispatch_gen, attempt }));
+            }
+            match (max_attempts, kind, payload, run_deadline) {
+                (Some(max_attempts), Some(kind), Some(payload), Some(run_deadline)) => Ok(Done::Started(Started {
+                    id,
+                    dispatch_gen,
+                    attempt,
+                    max_attempts,
+                    kind,
+                    payload,
+                    group_key,
+                    run_deadline,
+                })),
+                _ => Err(sqlx::Error::Protocol(format!("started job {} came back without its columns", id.0))),
+            }
+        })
+        .collect()
+}
+
+/// Each success's result as `jsonb` accepts it; `None` for a retry or a failure.
+fn stored_results(finishes: &[Finish]) -> Vec<Option<String>> {
+    finishes
+        .iter()
+        .map(|f| match &f.outcome {
+            Outcome::Succeeded { result } => Some(storable_json(result)),
+            Outcome::RetryLater { .. } | Outcome::Failed { .. } => None,
+        })
+        .collect()
 }
 
 /// The longest error message a row keeps, in bytes. The history keeps one per attempt (up to
