@@ -824,3 +824,23 @@ async fn a_job_named_by_a_finish_and_a_fence_at_once_is_taken_over_in_two_statem
     let row = common::job(&pool, id).await;
     assert_eq!((row.state, row.attempts, row.result), (JobState::Running, 2, None));
 }
+
+/// A stale and a current message for one job, fenced in the statement that finishes another
+/// job: the rows find their request by position, so that statement splits as `start` does.
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_stale_and_a_current_fence_for_one_job_beside_a_finish_start_it(pool: PgPool) {
+    let [finished, twice]: [JobId; 2] = common::enqueue_many(&pool, "noop", 2).await.try_into().unwrap();
+    claim_due(&pool, "default", 2, Duration::from_secs(60)).await.unwrap();
+    let request = |id, dispatch_gen| StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) };
+    start(&pool, &[request(finished, 1)]).await.unwrap();
+    sqlx::query("UPDATE rowq.jobs SET state = 'pending' WHERE id = $1").bind(twice).execute(&pool).await.unwrap();
+    assert_eq!(claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap()[0].dispatch_gen, 2);
+
+    let done = Finish { id: finished, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!(1) } };
+    let steps = vec![Step::Finish(done), Step::Start(request(twice, 1)), Step::Start(request(twice, 2))];
+    let mut answered: Vec<StepKey> = step(&pool, steps).await.unwrap().iter().map(Done::key).collect();
+    answered.sort_by_key(|key| matches!(key, StepKey::Start { .. }));
+    let finished_key = rowq::store::run::Finished { id: finished, dispatch_gen: 1, attempt: 1 };
+    assert_eq!(answered, vec![StepKey::Finish(finished_key), StepKey::Start { id: twice, dispatch_gen: 2 }]);
+    assert_eq!(common::job(&pool, twice).await.state, JobState::Running);
+}
