@@ -177,13 +177,21 @@ pub const FINISH_SQL: &str = r#"
 /// A batch of successes only, the common case, goes through [`SUCCEED_SQL`], which sets four
 /// columns and joins nothing; a mixed batch through [`FINISH_SQL`]. Both have the same guard.
 pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> Result<Vec<Finished>, sqlx::Error> {
+    finish_stored(executor, finishes, stored_results(finishes)).await
+}
+
+/// [`finish`], with each success's result already serialized ([`stored_results`]).
+async fn finish_stored<'e>(
+    executor: impl PgExecutor<'e>,
+    finishes: &[Finish],
+    results: Vec<Option<String>>,
+) -> Result<Vec<Finished>, sqlx::Error> {
     if finishes.is_empty() {
         return Ok(Vec::new());
     }
     let ids: Vec<i64> = finishes.iter().map(|f| f.id.0).collect();
     let gens: Vec<i64> = finishes.iter().map(|f| f.dispatch_gen).collect();
     let attempts: Vec<i32> = finishes.iter().map(|f| f.attempt).collect();
-    let results = stored_results(finishes);
     // SUCCEED_SQL finds each row's values by `array_position` (see `start`): an id's first
     // only. A job named twice (a stale and a current execution) takes the joined statement.
     let all_succeeded = results.iter().all(Option::is_some);
@@ -299,18 +307,14 @@ pub async fn step(pool: &PgPool, steps: Vec<Step>) -> Result<Vec<Done>, sqlx::Er
             Step::Finish(finish) => finishes.push(finish),
         }
     }
-    let starting: HashSet<JobId> = starts.iter().map(|r| r.id).collect();
-    let finishing: HashSet<JobId> = finishes.iter().map(|f| f.id).collect();
     let results = stored_results(&finishes);
     let one_statement = !starts.is_empty()
         && !finishes.is_empty()
-        && starting.len() == starts.len()
-        && finishing.len() == finishes.len()
-        && starting.is_disjoint(&finishing)
-        && results.iter().all(Option::is_some);
+        && results.iter().all(Option::is_some)
+        && each_job_once(&starts, &finishes);
     if !one_statement {
         let mut done: Vec<Done> = start(pool, &starts).await?.into_iter().map(Done::Started).collect();
-        done.extend(finish(pool, &finishes).await?.into_iter().map(Done::Finished));
+        done.extend(finish_stored(pool, &finishes, results).await?.into_iter().map(Done::Finished));
         return Ok(done);
     }
     type Row = (
@@ -354,6 +358,12 @@ pub async fn step(pool: &PgPool, steps: Vec<Step>) -> Result<Vec<Done>, sqlx::Er
             }
         })
         .collect()
+}
+
+/// Whether no job is named twice among the fences and the finishes of one statement.
+fn each_job_once(starts: &[StartRequest], finishes: &[Finish]) -> bool {
+    let mut seen = HashSet::with_capacity(starts.len() + finishes.len());
+    starts.iter().map(|r| r.id).chain(finishes.iter().map(|f| f.id)).all(|id| seen.insert(id))
 }
 
 /// Each success's result as `jsonb` accepts it; `None` for a retry or a failure.
