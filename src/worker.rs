@@ -69,7 +69,7 @@ enum Recorded {
 }
 
 impl Worker {
-    /// Must be called within a Tokio runtime: it starts the tasks that send the fences and
+    /// Must be called within a Tokio runtime: it starts the task that sends the fences and
     /// finishes.
     pub fn new(pool: PgPool, registry: Registry, config: WorkerConfig) -> Self {
         let steps = {
@@ -142,7 +142,7 @@ impl Worker {
             .map(|(_, r)| StartRequest { id: r.message.job_id, dispatch_gen: r.message.dispatch_gen, lease })
             .collect();
         let started = match self.steps.call(requests.into_iter().map(Step::Start).collect()).await {
-            Ok(done) => done.into_iter().filter_map(|d| if let Done::Started(s) = d { Some(s) } else { None }),
+            Ok(done) => done.into_iter().filter_map(Done::started),
             Err(error) => {
                 tracing::error!(error = %error, records = round.len(), "could not start jobs: database unavailable; records will be redelivered");
                 return round.iter().map(|(g, _)| *g).collect();
@@ -251,10 +251,9 @@ impl Worker {
         let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(&e.job, &e.outcome)).collect();
         match self.steps.call(finishes.into_iter().map(Step::Finish).collect()).await {
             Ok(done) => {
-                let recorded: HashSet<Finished> =
-                    done.into_iter().filter_map(|d| if let Done::Finished(f) = d { Some(f) } else { None }).collect();
+                let recorded: HashSet<Finished> = done.into_iter().filter_map(Done::finished).collect();
                 for execution in pending {
-                    if recorded.contains(&execution.key()) {
+                    if recorded.contains(&execution.job.execution()) {
                         finished.push(execution);
                     } else {
                         log_superseded(execution);
@@ -287,13 +286,6 @@ impl Worker {
             tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
         }
         failed
-    }
-}
-
-impl Execution {
-    /// Which execution this was: what a recorded finish names.
-    fn key(&self) -> Finished {
-        Finished { id: self.job.id, dispatch_gen: self.job.dispatch_gen, attempt: self.job.attempt }
     }
 }
 

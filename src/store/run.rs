@@ -253,11 +253,25 @@ pub enum StepKey {
     Finish(Finished),
 }
 
+impl Started {
+    /// This execution, as a finish names it.
+    pub fn execution(&self) -> Finished {
+        Finished { id: self.id, dispatch_gen: self.dispatch_gen, attempt: self.attempt }
+    }
+}
+
+impl Finish {
+    /// The execution this finish is for.
+    pub fn execution(&self) -> Finished {
+        Finished { id: self.id, dispatch_gen: self.dispatch_gen, attempt: self.attempt }
+    }
+}
+
 impl Step {
     pub fn key(&self) -> StepKey {
         match self {
             Step::Start(r) => StepKey::Start { id: r.id, dispatch_gen: r.dispatch_gen },
-            Step::Finish(f) => StepKey::Finish(Finished { id: f.id, dispatch_gen: f.dispatch_gen, attempt: f.attempt }),
+            Step::Finish(f) => StepKey::Finish(f.execution()),
         }
     }
 }
@@ -268,6 +282,14 @@ impl Done {
             Done::Started(s) => StepKey::Start { id: s.id, dispatch_gen: s.dispatch_gen },
             Done::Finished(f) => StepKey::Finish(*f),
         }
+    }
+
+    pub fn started(self) -> Option<Started> {
+        if let Done::Started(started) = self { Some(started) } else { None }
+    }
+
+    pub fn finished(self) -> Option<Finished> {
+        if let Done::Finished(finished) = self { Some(finished) } else { None }
     }
 }
 
