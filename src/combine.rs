@@ -45,9 +45,10 @@ pub const MAX_REQUESTS: usize = 100;
 /// are woken by that answer in the same instant the combiner is, and without these turns the
 /// next statement left with whichever request reached the queue first: the rest missed it by
 /// microseconds and waited for a whole statement more. With 8 pollers a statement held 26
-/// requests instead of ~40, and each extra statement is a synchronous commit: WAL flushes per
-/// 20,000 jobs 950 → 700, throughput +15–25% (BENCHMARKS.md). A turn costs a microsecond or so
-/// when nothing else is ready, so an idle process still waits for nothing it can notice.
+/// requests instead of ~40, and each extra statement is a synchronous commit: worker statements
+/// per 20,000 jobs ~1,550 → ~1,000, CPU per job −12% and throughput +12% on average over nine
+/// interleaved pairs (BENCHMARKS.md). A turn costs a microsecond or so when nothing else is
+/// ready, so an idle process still waits for nothing it can notice.
 pub const GATHER_TURNS: usize = 3;
 
 /// What a statement returns to each of its batches: the answers to that batch's requests, or
