@@ -10,8 +10,8 @@
 //! they run waits and then goes in the next one, whole. Before a statement leaves, the batches
 //! that are about to ask (answered by the statement before, and already running) get a few
 //! turns to join it ([`GATHER_TURNS`]). An idle process waits for nothing it could notice: a
-//! request that finds a free slot is sent within microseconds. A Lambda instance handles one batch at a
-//! time, so there each statement is its own batch's, as before.
+//! request that finds a free slot is sent within microseconds. A Lambda instance handles one
+//! batch at a time, so there each statement is its own batch's, as before.
 //!
 //! Requests with the same key (the same job generation delivered to two concurrent batches)
 //! are sent once; the answer goes to the first asker, and the other sees its request
