@@ -768,7 +768,9 @@ fn report(results: &[Value]) {
             })
             .collect();
         each.sort_by(f64::total_cmp);
-        (each.get(each.len().saturating_sub(1) / 2).copied().unwrap_or(f64::NAN), each)
+        let middle = |i: usize| each.get(i).copied().unwrap_or(f64::NAN);
+        let median = (middle(each.len().saturating_sub(1) / 2) + middle(each.len() / 2)) / 2.0;
+        (median, each)
     };
     let floor = find(Of("sql-floor", None), "rows_per_s");
     let latency_floor = find(Of("latency-floor", None), "p50_ms");
