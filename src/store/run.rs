@@ -97,14 +97,35 @@ pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Start
     let mut rest: Vec<&StartRequest> = requests.iter().collect();
     while !rest.is_empty() {
         let (now, later) = first_per_job(rest, |r| r.id);
-        let ids: Vec<i64> = now.iter().map(|r| r.id.0).collect();
-        let gens: Vec<i64> = now.iter().map(|r| r.dispatch_gen).collect();
-        let leases: Vec<i64> = now.iter().map(|r| millis(r.lease)).collect();
+        let (ids, gens, leases) = start_arrays(now.iter().copied());
         let rows: Vec<Started> = sqlx::query_as(START_SQL).bind(ids).bind(gens).bind(leases).fetch_all(pool).await?;
         started.extend(rows);
         rest = later;
     }
     Ok(started)
+}
+
+/// The arrays [`START_SQL`] binds as `$1..$3`: each request's job, generation and lease (ms).
+fn start_arrays<'a>(requests: impl Iterator<Item = &'a StartRequest>) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
+    let (mut ids, mut gens, mut leases) = (Vec::new(), Vec::new(), Vec::new());
+    for request in requests {
+        ids.push(request.id.0);
+        gens.push(request.dispatch_gen);
+        leases.push(millis(request.lease));
+    }
+    (ids, gens, leases)
+}
+
+/// The arrays both finish statements bind as `$1..$3`: each execution's job, generation and
+/// attempt, which their guard compares with the row.
+fn execution_arrays(finishes: &[Finish]) -> (Vec<i64>, Vec<i64>, Vec<i32>) {
+    let (mut ids, mut gens, mut attempts) = (Vec::new(), Vec::new(), Vec::new());
+    for finish in finishes {
+        ids.push(finish.id.0);
+        gens.push(finish.dispatch_gen);
+        attempts.push(finish.attempt);
+    }
+    (ids, gens, attempts)
 }
 
 /// The first item naming each job, and the items that name a job again.
@@ -189,9 +210,7 @@ async fn finish_stored<'e>(
     if finishes.is_empty() {
         return Ok(Vec::new());
     }
-    let ids: Vec<i64> = finishes.iter().map(|f| f.id.0).collect();
-    let gens: Vec<i64> = finishes.iter().map(|f| f.dispatch_gen).collect();
-    let attempts: Vec<i32> = finishes.iter().map(|f| f.attempt).collect();
+    let (ids, gens, attempts) = execution_arrays(finishes);
     // SUCCEED_SQL finds each row's values by `array_position` (see `start`): an id's first
     // only. A job named twice (a stale and a current execution) takes the joined statement.
     let all_succeeded = results.iter().all(Option::is_some);
@@ -350,14 +369,16 @@ pub async fn step(pool: &PgPool, steps: Vec<Step>) -> Result<Vec<Done>, sqlx::Er
         Option<String>,
         Option<DateTime<Utc>>,
     );
+    let (ids, gens, attempts) = execution_arrays(&finishes);
+    let (start_ids, start_gens, leases) = start_arrays(starts.iter());
     let rows: Vec<Row> = sqlx::query_as(STEP_SQL.as_str())
-        .bind(finishes.iter().map(|f| f.id.0).collect::<Vec<i64>>())
-        .bind(finishes.iter().map(|f| f.dispatch_gen).collect::<Vec<i64>>())
-        .bind(finishes.iter().map(|f| f.attempt).collect::<Vec<i32>>())
+        .bind(ids)
+        .bind(gens)
+        .bind(attempts)
         .bind(results)
-        .bind(starts.iter().map(|r| r.id.0).collect::<Vec<i64>>())
-        .bind(starts.iter().map(|r| r.dispatch_gen).collect::<Vec<i64>>())
-        .bind(starts.iter().map(|r| millis(r.lease)).collect::<Vec<i64>>())
+        .bind(start_ids)
+        .bind(start_gens)
+        .bind(leases)
         .fetch_all(pool)
         .await?;
     rows.into_iter()
