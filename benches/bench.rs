@@ -221,15 +221,17 @@ fn rate(n: f64, elapsed: Duration) -> f64 {
     (n / elapsed.as_secs_f64()).round()
 }
 
-/// p50, p99 and max of insert→start (ms), from the rows after the warm-up's.
-async fn start_latencies(pool: &PgPool, after: i64) -> Result<(f64, f64, f64), Error> {
+/// How many rows after the warm-up's started, and the p50, p99 and max of their insert→start
+/// (ms). rowq's `started_at` is its fence's, the floor's its claim's.
+async fn start_latencies(pool: &PgPool, after: i64) -> Result<(usize, (f64, f64, f64)), Error> {
     let mut ms: Vec<f64> = sqlx::query_scalar(
-        "SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM rowq.jobs WHERE id > $1",
+        "SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM rowq.jobs
+         WHERE started_at IS NOT NULL AND id > $1",
     )
     .bind(after)
     .fetch_all(pool)
     .await?;
-    Ok(percentiles(&mut ms))
+    Ok((ms.len(), percentiles(&mut ms)))
 }
 
 /// Jobs trickled before the measured ones, and left out of the latencies.
@@ -541,15 +543,7 @@ async fn latency_floor(settings: &Settings) -> Result<Value, Error> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     done.store(true, Ordering::Relaxed);
     claimer.await??;
-    let mut ms: Vec<f64> = sqlx::query_scalar(
-        "SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM rowq.jobs
-         WHERE started_at IS NOT NULL AND id > $1",
-    )
-    .bind(after)
-    .fetch_all(&pool)
-    .await?;
-    let claimed = ms.len();
-    let (p50, p99, max) = percentiles(&mut ms);
+    let (claimed, (p50, p99, max)) = start_latencies(&pool, after).await?;
     drop_database(pool, &url).await;
     Ok(json!({"workload": "latency-floor", "p50_ms": p50, "p99_ms": p99, "max_ms": max, "claimed": claimed}))
 }
@@ -567,7 +561,7 @@ async fn latency_memory(settings: &Settings) -> Result<Value, Error> {
     let after = warm_up(&pool, settings.rate).await?;
     trickle(&pool, settings.latency_n, settings.rate).await?;
     wait_until_succeeded(&pool, (settings.latency_n + WARM_UP_JOBS) as i64, Duration::from_secs(60)).await?;
-    let (p50, p99, max) = start_latencies(&pool, after).await?;
+    let (_, (p50, p99, max)) = start_latencies(&pool, after).await?;
     halt.send_replace(true);
     stop.store(true, Ordering::Relaxed);
     running.await?;
@@ -728,7 +722,7 @@ async fn latency_localstack(settings: &Settings) -> Result<Value, Error> {
     let after = warm_up(&pool, settings.rate).await?;
     trickle(&pool, settings.latency_n, settings.rate).await?;
     wait_until_succeeded(&pool, (settings.latency_n + WARM_UP_JOBS) as i64, Duration::from_secs(60)).await?;
-    let (p50, p99, max) = start_latencies(&pool, after).await?;
+    let (_, (p50, p99, max)) = start_latencies(&pool, after).await?;
     pipeline.stop().await;
     let stuck: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE state <> $1")
         .bind(JobState::Succeeded)
@@ -772,12 +766,15 @@ fn report(results: &[Value]) {
         let median = (middle(each.len().saturating_sub(1) / 2) + middle(each.len() / 2)) / 2.0;
         (median, each)
     };
-    let floor = find(Of("sql-floor", None), "rows_per_s");
-    let latency_floor = find(Of("latency-floor", None), "p50_ms");
-    let raw = find(Of("raw-localstack", None), "messages_per_s");
-    let drain_mem = find(Of("drain", Some("memory")), "jobs_per_s");
-    let drain_ls = find(Of("drain", Some("localstack")), "jobs_per_s");
-    let lat_mem = find(Of("latency", Some("memory")), "p50_ms");
+    let (sql_floor, latency_floor) = (Of("sql-floor", None), Of("latency-floor", None));
+    let (drain_memory, latency_memory) = (Of("drain", Some("memory")), Of("latency", Some("memory")));
+    let (raw_localstack, drain_localstack) = (Of("raw-localstack", None), Of("drain", Some("localstack")));
+    let floor = find(sql_floor, "rows_per_s");
+    let lat_floor = find(latency_floor, "p50_ms");
+    let raw = find(raw_localstack, "messages_per_s");
+    let drain_mem = find(drain_memory, "jobs_per_s");
+    let drain_ls = find(drain_localstack, "jobs_per_s");
+    let lat_mem = find(latency_memory, "p50_ms");
     let lat_ls = find(Of("latency", Some("localstack")), "p50_ms");
     let enqueue = find(Of("enqueue", None), "multi_row_rows_per_s");
     let dispatch_mem = find(Of("dispatch", Some("memory")), "rows_per_s");
@@ -794,10 +791,7 @@ fn report(results: &[Value]) {
     line("drain, in-memory transport", format!("{:.0} jobs/s", f(&drain_mem, "jobs_per_s")));
     line("drain, LocalStack", format!("{:.0} jobs/s", f(&drain_ls, "jobs_per_s")));
     line("raw LocalStack send+receive+delete", format!("{:.0} msg/s", f(&raw, "messages_per_s")));
-    line(
-        "latency floor p50 / p99",
-        format!("{:.1} / {:.1} ms", f(&latency_floor, "p50_ms"), f(&latency_floor, "p99_ms")),
-    );
+    line("latency floor p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_floor, "p50_ms"), f(&lat_floor, "p99_ms")));
     line("latency in-memory p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_mem, "p50_ms"), f(&lat_mem, "p99_ms")));
     line("latency LocalStack p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_ls, "p50_ms"), f(&lat_ls, "p99_ms")));
     line(
@@ -805,15 +799,13 @@ fn report(results: &[Value]) {
         format!("{:.1} / {:.1} MB", f(&drain_ls, "scheduler_peak_rss_mb"), f(&drain_ls, "runner_peak_rss_mb")),
     );
 
-    let (sql_floor, latency_floor) = (Of("sql-floor", None), Of("latency-floor", None));
-    let (drain_memory, latency_memory) = (Of("drain", Some("memory")), Of("latency", Some("memory")));
     let ratios = [
         ("in-memory drain / sql-floor", ratio((drain_memory, "jobs_per_s"), (sql_floor, "rows_per_s")), 0.5, true),
         ("in-memory latency p50 / floor p50", ratio((latency_memory, "p50_ms"), (latency_floor, "p50_ms")), 1.5, false),
         ("in-memory latency p99 / floor p99", ratio((latency_memory, "p99_ms"), (latency_floor, "p99_ms")), 3.0, false),
         (
             "LocalStack drain / raw LocalStack",
-            ratio((Of("drain", Some("localstack")), "jobs_per_s"), (Of("raw-localstack", None), "messages_per_s")),
+            ratio((drain_localstack, "jobs_per_s"), (raw_localstack, "messages_per_s")),
             0.8,
             true,
         ),
