@@ -29,17 +29,19 @@
 //! - [`event_source`]: the local stand-in for Lambda's SQS event source mapping.
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished rows.
 //! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
+//! - [`entry`]: what the Lambda binaries run, compiled once here instead of in each binary.
 //! - [`config`]: one struct per binary, from the environment.
 //! - [`secret`]: the database URL from Secrets Manager at cold start.
 //! - [`telemetry`]: tracing set-up and field names.
 //!
-//! The binaries in `src/bin/` only wire these together: `scheduler`, `worker`, `dlq-handler`
-//! and the `rowq` CLI.
+//! The binaries in `src/bin/` only wire these together: `scheduler`, `worker` and
+//! `dlq-handler` through [`entry`], and the `rowq` CLI.
 
 pub mod combine;
 pub mod config;
 pub mod dispatch;
 pub mod dlq;
+pub mod entry;
 pub mod event_source;
 pub mod handlers;
 pub mod job;

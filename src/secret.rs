@@ -21,7 +21,7 @@ pub async fn resolve(database: &mut DatabaseConfig) -> Result<(), SecretError> {
     let Some(arn) = database.secret_arn.clone() else {
         return Ok(());
     };
-    let config = aws_config::defaults(aws_config::BehaviorVersion::latest()).load().await;
+    let config = crate::sqs::aws_config().load().await;
     let client = aws_sdk_secretsmanager::Client::new(&config);
     let output = client.get_secret_value().secret_id(&arn).send().await.map_err(|e| SecretError::Read {
         arn: arn.clone(),

@@ -186,15 +186,27 @@ impl Publisher for MemoryPublisher {
     }
 }
 
-/// An SQS client from the standard AWS configuration chain (`AWS_REGION`,
-/// `AWS_ENDPOINT_URL` for LocalStack, credentials), with timeouts so that an endpoint that
-/// goes away fails a call instead of hanging it.
+/// The standard AWS configuration chain (`AWS_REGION`, `AWS_ENDPOINT_URL` for LocalStack,
+/// credentials) over an HTTPS client whose TLS is rustls with *ring*, the same crypto the
+/// Postgres driver uses. The SDK's default client would bring aws-lc, a C library whose build
+/// was the longest single step of a clean build (50 s of its two cores here), for the same TLS.
+pub fn aws_config() -> aws_config::ConfigLoader {
+    let https = aws_smithy_http_client::Builder::new()
+        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
+            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
+        ))
+        .build_https();
+    aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(https)
+}
+
+/// An SQS client from [`aws_config`], with timeouts so that an endpoint that goes away fails a
+/// call instead of hanging it.
 pub async fn client() -> Client {
     let timeouts = aws_config::timeout::TimeoutConfig::builder()
         .connect_timeout(Duration::from_secs(3))
         .operation_attempt_timeout(Duration::from_secs(25))
         .build();
-    let config = aws_config::defaults(aws_config::BehaviorVersion::latest()).timeout_config(timeouts).load().await;
+    let config = aws_config().timeout_config(timeouts).load().await;
     Client::new(&config)
 }
 

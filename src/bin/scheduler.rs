@@ -4,23 +4,11 @@
 
 use anyhow::Context;
 use rowq::config::{self, SchedulerConfig};
-use rowq::{Scheduler, SqsPublisher, dispatch, secret, sqs, store, telemetry};
+use rowq::{entry, telemetry};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     telemetry::init(config::log_format());
     let once = std::env::args().any(|arg| arg == "--once");
-    let mut config = SchedulerConfig::from_env().context("invalid scheduler configuration")?;
-    secret::resolve(&mut config.database).await?;
-    let pool = store::connect_scheduler(&config.database)
-        .await
-        .with_context(|| format!("cannot connect to {}", config::redact_url(&config.database.url)))?;
-    store::migrate(&pool).await.context("cannot apply migrations")?;
-    let publisher = SqsPublisher::new(sqs::client().await, config.queue_url.clone());
-    let scheduler = Scheduler::new(pool, publisher, config);
-    if config::on_lambda() {
-        return dispatch::run_lambda(scheduler).await.map_err(|e| anyhow::anyhow!(e));
-    }
-    scheduler.run(dispatch::shutdown_on_signals(), once).await;
-    Ok(())
+    let config = SchedulerConfig::from_env().context("invalid scheduler configuration")?;
+    entry::scheduler(config, once).map_err(|error| anyhow::anyhow!(error))
 }

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use aws_sdk_sqs::Client;
-use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+use aws_sdk_sqs::config::{Credentials, Region};
 use rowq::config::{DatabaseConfig, SchedulerConfig, WorkerConfig};
 use rowq::sqs::{QueuePair, QueueSpec};
 use rowq::store::admin::{self, JobRow, NewJob};
@@ -38,7 +38,7 @@ pub async fn sqs_at(endpoint: &str) -> Client {
         .connect_timeout(Duration::from_secs(2))
         .operation_attempt_timeout(Duration::from_secs(25))
         .build();
-    let config = aws_config::defaults(BehaviorVersion::latest())
+    let config = rowq::sqs::aws_config()
         .endpoint_url(endpoint)
         .region(Region::new("us-east-1"))
         .credentials_provider(Credentials::new("test", "test", None, None, "rowq-tests"))

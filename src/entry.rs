@@ -1,0 +1,67 @@
+//! What the `worker`, `dlq-handler` and `scheduler` binaries run, behind one synchronous call
+//! each that starts its own Tokio runtime.
+//!
+//! A crate that polls another crate's futures compiles their whole async call tree again:
+//! async bodies are instantiated where they are polled, like generic code, and optimised
+//! builds do not share those instances between crates. Each binary that awaited the library
+//! recompiled sqlx's connection machinery, the AWS SDK's request orchestrator and the Lambda
+//! runtime for itself — 20 to 40 s of CPU per binary in a clean `bench`-profile build, the
+//! largest part of `make bench` on a fresh clone. Called through these functions, a binary
+//! compiles its `main` and nothing else, and the library compiles the async code once.
+//! Library users who write their own worker call [`crate::worker::run_lambda`] from their own
+//! async `main`, or [`worker`] with their own registry.
+
+use std::future::Future;
+
+use crate::config::{self, SchedulerConfig, WorkerConfig};
+use crate::dispatch::{self, Scheduler};
+use crate::handlers::Registry;
+use crate::sqs::{self, SqsPublisher};
+use crate::worker::{self, Worker};
+use crate::{dlq, secret, store};
+
+/// What a binary reports when it cannot start or stops on an error.
+pub type Error = lambda_runtime::Error;
+
+/// Runs `future` to completion on a multi-threaded runtime, as `#[tokio::main]` does.
+fn block_on<F: Future<Output = Result<(), Error>>>(future: F) -> Result<(), Error> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(future)
+}
+
+/// The worker Lambda: the database URL from its secret if one is configured, a pool that
+/// connects on first use, and `registry`'s handlers on the Lambda runtime.
+pub fn worker(mut config: WorkerConfig, registry: Registry) -> Result<(), Error> {
+    block_on(async move {
+        secret::resolve(&mut config.database).await?;
+        let pool = store::connect_lazy(&config.database)?;
+        worker::run_lambda(Worker::new(pool, registry, config)).await
+    })
+}
+
+/// The dead-letter Lambda, set up as [`worker`].
+pub fn dlq_handler(mut config: WorkerConfig) -> Result<(), Error> {
+    block_on(async move {
+        secret::resolve(&mut config.database).await?;
+        let pool = store::connect_lazy(&config.database)?;
+        dlq::run_lambda(pool).await
+    })
+}
+
+/// The scheduler: migrates, then publishes to `ROWQ_QUEUE_URL` until SIGTERM or SIGINT (with
+/// `once`, until nothing more is due); on Lambda, one bounded drain per invocation.
+pub fn scheduler(mut config: SchedulerConfig, once: bool) -> Result<(), Error> {
+    block_on(async move {
+        secret::resolve(&mut config.database).await?;
+        let pool = store::connect_scheduler(&config.database)
+            .await
+            .map_err(|error| format!("cannot connect to {}: {error}", config::redact_url(&config.database.url)))?;
+        store::migrate(&pool).await.map_err(|error| format!("cannot apply migrations: {error}"))?;
+        let publisher = SqsPublisher::new(sqs::client().await, config.queue_url.clone());
+        let scheduler = Scheduler::new(pool, publisher, config);
+        if config::on_lambda() {
+            return dispatch::run_lambda(scheduler).await;
+        }
+        scheduler.run(dispatch::shutdown_on_signals(), once).await;
+        Ok(())
+    })
+}
