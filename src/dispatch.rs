@@ -7,9 +7,11 @@
 //! generation, no attempt consumed). A crash between claim and publish leaves `dispatched`
 //! rows that maintenance rescues after their lease; their next claim gets a new generation.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use futures::future::OptionFuture;
 use futures::stream::FuturesUnordered;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
@@ -19,7 +21,7 @@ use crate::config::SchedulerConfig;
 use crate::job::{JobId, JobMessage};
 use crate::maintenance;
 use crate::sqs::{EntryFailure, MAX_BATCH, Outgoing, Publisher, SqsError};
-use crate::store::{self, dispatch::Claimed};
+use crate::store::{self, dispatch::Claim, dispatch::Claimed};
 
 /// What one pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -87,37 +89,123 @@ impl<P: Publisher> Scheduler<P> {
     /// One pass: claim up to a batch of due rows (within the in-flight cap), publish them in
     /// `SendMessageBatch` calls of up to 10 with several in flight, release what failed.
     pub async fn run_once(&self) -> Result<DispatchReport, DispatchError> {
-        self.pass(None).await
+        match self.pass(None, false, || true).await {
+            (_, Some(error)) => Err(error),
+            (report, None) => Ok(report),
+        }
     }
 
-    /// [`Scheduler::run_once`], claiming on the listener's connection when there is one.
+    /// Claims and publishes; with `pipelined`, claim after claim while each comes back full
+    /// and `keep_claiming()` says yes, else one claim. Returns what it did, and the first
+    /// database error, after which it claims no more.
     ///
-    /// The claim is on the pickup path of every job: the notification arrives on the
-    /// listener's connection, and the claim goes back on it, with no pool checkout, and no
-    /// check-in ping (sqlx pings every connection returned to a pool, a round trip that
-    /// competed with the worker's fence for the CPU just as the job was handed over).
+    /// Claiming overlaps publishing: the next claim runs while the rows of the previous ones
+    /// are being sent, and up to `publish_concurrency` `SendMessageBatch` calls stay in flight
+    /// across claims, so no claim waits for the slowest call of the one before. A claim starts
+    /// only while fewer than a claim's worth of rows wait to be sent: with a slow queue the
+    /// claimed-but-unsent rows stay under two claims' worth, and their dispatch lease does not
+    /// tick away in the scheduler's memory. After a failed send nothing more is claimed: the
+    /// rows already claimed are still sent (or released), then the caller backs off.
+    ///
+    /// The first claim is on the pickup path of every job: when there is a listener, the
+    /// notification arrived on its connection and the claims go back on it, with no pool
+    /// checkout and no check-in ping (sqlx pings every connection returned to a pool, a round
+    /// trip that competed with the worker's fence for the CPU just as the job was handed over).
     /// Notifications that arrive meanwhile are buffered by the listener.
-    async fn pass(&self, listener: Option<&mut PgListener>) -> Result<DispatchReport, DispatchError> {
+    async fn pass(
+        &self,
+        listener: Option<&mut PgListener>,
+        pipelined: bool,
+        keep_claiming: impl Fn() -> bool,
+    ) -> (DispatchReport, Option<DispatchError>) {
         let queue = &self.config.queue;
-        let db_error = |action| move |source| DispatchError::Database { action, queue: queue.clone(), source };
-        let (batch, cap, lease) = (self.config.claim_batch, self.config.max_in_flight, self.config.dispatch_lease);
-        let claim = match listener {
-            Some(listener) => store::dispatch::claim_due_within(listener, queue, batch, cap, lease).await,
-            None => store::dispatch::claim_due_within(&self.pool, queue, batch, cap, lease).await,
+        let db_error = |action, source| DispatchError::Database { action, queue: queue.clone(), source };
+        let claim_batch = self.config.claim_batch as usize;
+        let mut report = DispatchReport { full: true, ..DispatchReport::default() };
+        let mut error = None;
+        let mut listener = listener;
+        let mut claims = 0usize;
+        let mut claiming = std::pin::pin!(None);
+        let mut unsent: VecDeque<Vec<Outgoing>> = VecDeque::new();
+        let mut sends = FuturesUnordered::new();
+        loop {
+            while sends.len() < self.config.publish_concurrency {
+                let Some(batch) = unsent.pop_front() else { break };
+                sends.push(self.send(batch));
+            }
+            let waiting: usize = unsent.iter().map(Vec::len).sum();
+            let more = report.full && report.publish_error.is_none() && error.is_none();
+            if claiming.is_none() && more && waiting < claim_batch && (claims == 0 || (pipelined && keep_claiming())) {
+                claims += 1;
+                claiming.set(Some(self.claim(listener.take())));
+            }
+            if claiming.is_none() && sends.is_empty() && unsent.is_empty() {
+                break;
+            }
+            tokio::select! {
+                Some((returned, claim)) = OptionFuture::from(claiming.as_mut().as_pin_mut()), if claiming.is_some() => {
+                    claiming.set(None);
+                    listener = returned;
+                    match claim {
+                        Ok(claim) => unsent.extend(self.claimed(claim, &mut report)),
+                        Err(source) => {
+                            report.full = false;
+                            error = Some(db_error("claim due jobs", source));
+                        }
+                    }
+                }
+                Some((batch, result)) = sends.next(), if !sends.is_empty() => {
+                    let failed = self.sent(&batch, result, &mut report);
+                    if !failed.is_empty() {
+                        match store::dispatch::release(&self.pool, &failed).await {
+                            Ok(released) => {
+                                for id in &released {
+                                    tracing::warn!(
+                                        job.id = id.0,
+                                        job.from = "dispatched",
+                                        job.to = "pending",
+                                        "job released: its message was not published"
+                                    );
+                                }
+                                report.released += released.len();
+                            }
+                            Err(source) => {
+                                error.get_or_insert(db_error("release unpublished jobs", source));
+                            }
+                        }
+                    }
+                }
+            }
         }
-        .map_err(db_error("claim due jobs"))?;
-        let claimed = claim.jobs;
-        let mut report = DispatchReport {
-            claimed: claimed.len(),
-            full: claimed.len() == batch as usize,
-            next_due: claim.next_due,
-            ..DispatchReport::default()
-        };
-        if !report.full {
-            // Fewer than a batch: nothing more is due, or the cap held the claim back.
-            report.capped = claim.in_flight_before + claimed.len() as i64 >= i64::from(cap);
+        (report, error)
+    }
+
+    /// One claim, on the listener's connection when there is one, which it hands back.
+    async fn claim<'l>(
+        &self,
+        listener: Option<&'l mut PgListener>,
+    ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>) {
+        let (queue, batch, cap, lease) =
+            (&self.config.queue, self.config.claim_batch, self.config.max_in_flight, self.config.dispatch_lease);
+        match listener {
+            Some(listener) => {
+                let claim = store::dispatch::claim_due_within(&mut *listener, queue, batch, cap, lease).await;
+                (Some(listener), claim)
+            }
+            None => (None, store::dispatch::claim_due_within(&self.pool, queue, batch, cap, lease).await),
         }
-        for job in &claimed {
+    }
+
+    /// Adds a claim to the report; returns its rows as the messages to send, in batches.
+    fn claimed(&self, claim: Claim, report: &mut DispatchReport) -> Vec<Vec<Outgoing>> {
+        let cap = self.config.max_in_flight;
+        let jobs = claim.jobs;
+        report.claimed += jobs.len();
+        report.full = jobs.len() == self.config.claim_batch as usize;
+        report.next_due = claim.next_due;
+        // Fewer than a batch: nothing more is due, or the cap held the claim back.
+        report.capped = !report.full && claim.in_flight_before + jobs.len() as i64 >= i64::from(cap);
+        for job in &jobs {
             tracing::info!(
                 job.id = job.id.0,
                 job.dispatch_gen = job.dispatch_gen,
@@ -126,92 +214,46 @@ impl<P: Publisher> Scheduler<P> {
                 "job claimed"
             );
         }
-
-        let (failed, publish_error) = self.publish(&claimed).await;
-        report.published = claimed.len() - failed.len();
-        report.publish_error = publish_error;
-        if !failed.is_empty() {
-            let released =
-                store::dispatch::release(&self.pool, &failed).await.map_err(db_error("release unpublished jobs"))?;
-            for id in &released {
-                tracing::warn!(
-                    job.id = id.0,
-                    job.from = "dispatched",
-                    job.to = "pending",
-                    "job released: its message was not published"
-                );
-            }
-            report.released = released.len();
-        }
-        Ok(report)
+        jobs.chunks(MAX_BATCH).map(|chunk| chunk.iter().map(outgoing).collect()).collect()
     }
 
-    /// Publishes claimed rows; returns the `(id, generation)` of those not accepted, and the
-    /// first error seen.
-    async fn publish(&self, claimed: &[Claimed]) -> (Vec<(JobId, i64)>, Option<String>) {
-        let batches: Vec<Vec<Outgoing>> = claimed
-            .chunks(MAX_BATCH)
-            .map(|chunk| {
-                chunk
-                    .iter()
-                    .map(|job| {
-                        let message = JobMessage::new(job.id, job.dispatch_gen);
-                        Outgoing {
-                            message,
-                            group_id: job.group_key.clone().unwrap_or_else(|| message.dedup_id(job.created_at)),
-                            dedup_id: message.dedup_id(job.created_at),
-                        }
-                    })
-                    .collect()
-            })
-            .collect();
-        // Up to `publish_concurrency` calls in flight. (A hand-rolled window rather than
-        // `buffer_unordered`: the combinator's closure over `&self` makes the scheduler's
-        // future not `Send`, and it must be spawnable.)
-        let mut waiting = batches.iter();
-        let mut in_flight = FuturesUnordered::new();
-        let mut results = Vec::with_capacity(batches.len());
-        loop {
-            while in_flight.len() < self.config.publish_concurrency {
-                let Some(batch) = waiting.next() else { break };
-                in_flight.push(self.send(batch));
-            }
-            match in_flight.next().await {
-                Some(result) => results.push(result),
-                None => break,
-            }
-        }
-
+    /// Adds a send's outcome to the report; returns the `(id, generation)` of the rows whose
+    /// message was not accepted.
+    fn sent(
+        &self,
+        batch: &[Outgoing],
+        result: Result<Vec<EntryFailure>, SqsError>,
+        report: &mut DispatchReport,
+    ) -> Vec<(JobId, i64)> {
         let mut failed = Vec::new();
-        let mut first_error = None;
-        for (batch, result) in results {
-            match result {
-                Ok(failures) => {
-                    for failure in failures {
-                        match batch.get(failure.index) {
-                            Some(entry) => failed.push((entry.message.job_id, entry.message.dispatch_gen)),
-                            // An id SQS did not get from us: we cannot tell which entry failed,
-                            // so treat the whole call as failed.
-                            None => failed.extend(batch.iter().map(|e| (e.message.job_id, e.message.dispatch_gen))),
-                        }
-                        tracing::warn!(error = %failure.reason, "SQS refused a message");
-                        first_error.get_or_insert(failure.reason);
+        match result {
+            Ok(failures) => {
+                for failure in failures {
+                    match batch.get(failure.index) {
+                        Some(entry) => failed.push((entry.message.job_id, entry.message.dispatch_gen)),
+                        // An id SQS did not get from us: we cannot tell which entry failed, so
+                        // treat the whole call as failed.
+                        None => failed.extend(batch.iter().map(|e| (e.message.job_id, e.message.dispatch_gen))),
                     }
+                    tracing::warn!(error = %failure.reason, "SQS refused a message");
+                    report.publish_error.get_or_insert(failure.reason);
                 }
-                Err(error) => {
-                    tracing::warn!(error = %error, messages = batch.len(), "publish failed");
-                    failed.extend(batch.iter().map(|e| (e.message.job_id, e.message.dispatch_gen)));
-                    first_error.get_or_insert(error.to_string());
-                }
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, messages = batch.len(), "publish failed");
+                failed.extend(batch.iter().map(|e| (e.message.job_id, e.message.dispatch_gen)));
+                report.publish_error.get_or_insert(error.to_string());
             }
         }
         failed.sort_unstable();
         failed.dedup();
-        (failed, first_error)
+        report.published += batch.len() - failed.len();
+        failed
     }
 
-    async fn send<'b>(&self, batch: &'b [Outgoing]) -> (&'b [Outgoing], Result<Vec<EntryFailure>, SqsError>) {
-        (batch, self.publisher.send_batch(batch).await)
+    async fn send(&self, batch: Vec<Outgoing>) -> (Vec<Outgoing>, Result<Vec<EntryFailure>, SqsError>) {
+        let result = self.publisher.send_batch(&batch).await;
+        (batch, result)
     }
 
     /// Runs until `shutdown` turns `true`, the drain budget (`ROWQ_DRAIN_SECS`) is spent, or
@@ -249,31 +291,32 @@ impl<P: Publisher> Scheduler<P> {
             }
 
             totals.passes += 1;
-            let wait = match self.pass(listener.as_mut()).await {
-                Ok(report) => {
-                    totals.claimed += report.claimed as u64;
-                    totals.published += report.published as u64;
-                    totals.released += report.released as u64;
-                    if report.released > 0 {
-                        backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
-                        backoff
-                    } else {
-                        backoff = ERROR_BACKOFF_MIN;
-                        if report.full {
-                            continue;
-                        } else if once {
-                            break StopReason::Drained;
-                        } else if report.capped {
-                            self.config.busy_poll
-                        } else {
-                            self.idle_wait(report.next_due)
-                        }
-                    }
-                }
-                Err(error) => {
-                    tracing::error!(error = %error, "dispatch pass failed");
-                    backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
-                    backoff
+            // A long backlog is one pass of back-to-back claims; it yields to a shutdown, the
+            // end of the budget and maintenance between two claims.
+            let keep_claiming = || {
+                !*shutdown.borrow() && stop_at.is_none_or(|at| Instant::now() < at) && Instant::now() < next_maintenance
+            };
+            let (report, error) = self.pass(listener.as_mut(), true, keep_claiming).await;
+            totals.claimed += report.claimed as u64;
+            totals.published += report.published as u64;
+            totals.released += report.released as u64;
+            let wait = if let Some(error) = error {
+                tracing::error!(error = %error, "dispatch pass failed");
+                backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
+                backoff
+            } else if report.released > 0 {
+                backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
+                backoff
+            } else {
+                backoff = ERROR_BACKOFF_MIN;
+                if report.full {
+                    continue;
+                } else if once {
+                    break StopReason::Drained;
+                } else if report.capped {
+                    self.config.busy_poll
+                } else {
+                    self.idle_wait(report.next_due)
                 }
             };
             let wait = budget_left.map_or(wait, |left| wait.min(left));
@@ -335,6 +378,13 @@ impl<P: Publisher> Scheduler<P> {
             Err(error) => tracing::warn!(error = %error, "maintenance failed; will retry"),
         }
     }
+}
+
+/// The message for a claimed row.
+fn outgoing(job: &Claimed) -> Outgoing {
+    let message = JobMessage::new(job.id, job.dispatch_gen);
+    let dedup_id = message.dedup_id(job.created_at);
+    Outgoing { message, group_id: job.group_key.clone().unwrap_or_else(|| dedup_id.clone()), dedup_id }
 }
 
 /// Waits for a notification: `Ok(true)` when one arrived, `Ok(false)` when the connection was

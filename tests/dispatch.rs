@@ -600,3 +600,108 @@ async fn a_connection_that_died_while_idle_is_replaced_before_use(pool: PgPool) 
     let replaced: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&own).await.unwrap();
     assert_ne!(replaced, pid);
 }
+
+/// A publisher whose sends wait until `open` says so (at most 10 s), counting what the table
+/// holds `dispatched` when each send begins, and the sends that gave up waiting.
+struct Gated {
+    pool: PgPool,
+    open: fn(i64) -> bool,
+    dispatched_at_send: std::sync::Mutex<Vec<i64>>,
+    gave_up: std::sync::atomic::AtomicUsize,
+}
+
+impl Gated {
+    fn new(pool: &PgPool, open: fn(i64) -> bool) -> Self {
+        Gated { pool: pool.clone(), open, dispatched_at_send: Default::default(), gave_up: Default::default() }
+    }
+}
+
+impl rowq::Publisher for Gated {
+    async fn send_batch(
+        &self,
+        _batch: &[rowq::sqs::Outgoing],
+    ) -> Result<Vec<rowq::sqs::EntryFailure>, rowq::sqs::SqsError> {
+        let dispatched = || async { common::count_in_state(&self.pool, JobState::Dispatched).await };
+        let at_send = dispatched().await;
+        self.dispatched_at_send.lock().unwrap().push(at_send);
+        let started = Instant::now();
+        while !(self.open)(dispatched().await) {
+            if started.elapsed() > Duration::from_secs(10) {
+                self.gave_up.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(Vec::new())
+    }
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_next_claim_runs_while_the_rows_of_the_last_one_are_still_being_sent(pool: PgPool) {
+    // Each send holds until a later claim has committed: a scheduler that claimed only after
+    // its sends came back would hold every send for the full 10 s and see only its own rows.
+    common::enqueue_many(&pool, "noop", 30).await;
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.claim_batch = 10;
+    let gated = Gated::new(&pool, |dispatched| dispatched >= 20);
+    let scheduler = Scheduler::new(pool.clone(), gated, config);
+    let (_keep, shutdown) = watch::channel(false);
+    let totals = scheduler.run(shutdown, true).await;
+    assert_eq!((totals.claimed, totals.published), (30, 30));
+    let gave_up = scheduler.publisher().gave_up.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(gave_up, 0, "a send waited 10 s for a claim that only came after it");
+    let at_send = scheduler.publisher().dispatched_at_send.lock().unwrap().clone();
+    assert_eq!(at_send.len(), 3, "{at_send:?}");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_slow_queue_is_not_claimed_further_ahead_than_two_claims(pool: PgPool) {
+    // While the first sends hang, the scheduler may have claimed the next batch, but not the
+    // backlog: claimed rows that wait in its memory spend their dispatch lease.
+    common::enqueue_many(&pool, "noop", 100).await;
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.claim_batch = 10;
+    config.publish_concurrency = 1;
+    let gated = Arc::new(Gated::new(&pool, |_| false));
+    let scheduler = Arc::new(Scheduler::new(pool.clone(), gated.clone(), config));
+    let (stop, shutdown) = watch::channel(false);
+    let running = tokio::spawn({
+        let scheduler = scheduler.clone();
+        async move { scheduler.run(shutdown, true).await }
+    });
+    common::eventually(Duration::from_secs(10), "the first send to begin", || {
+        let gated = gated.clone();
+        async move { (!gated.dispatched_at_send.lock().unwrap().is_empty()).then_some(()) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let dispatched = common::count_in_state(&pool, JobState::Dispatched).await;
+    assert!((10..=20).contains(&dispatched), "{dispatched} rows claimed while one send of 10 hangs");
+    stop.send_replace(true);
+    running.abort();
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn after_a_failed_send_the_scheduler_claims_no_more_until_it_has_backed_off(pool: PgPool) {
+    // The claim that was already running when the send failed may still come back (and its
+    // rows go out or back to pending), but the pass must not go on through the backlog.
+    common::enqueue_many(&pool, "noop", 100).await;
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.claim_batch = 10;
+    // Long enough for a few passes between backoffs; a pass that went on claiming would claim
+    // (and release) the backlog again and again until the budget ran out.
+    config.drain_for = Some(Duration::from_millis(700));
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    scheduler.publisher().set_failing(true);
+    let (_keep, shutdown) = watch::channel(false);
+    let totals = scheduler.run(shutdown, false).await;
+    assert!(totals.passes >= 1);
+    assert!(
+        (10..=20 * totals.passes).contains(&totals.claimed),
+        "claimed {} in {} failing passes",
+        totals.claimed,
+        totals.passes
+    );
+    assert_eq!((totals.published, totals.released), (0, totals.claimed));
+    assert_eq!(common::count_in_state(&pool, JobState::Pending).await, 100);
+}
