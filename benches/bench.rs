@@ -151,6 +151,14 @@ async fn drop_database(pool: PgPool, url: &str) {
     let _ = Postgres::force_drop_database(url).await;
 }
 
+/// Deletes a workload's queues: the 20,000 messages `dispatch` leaves on its queue, kept by
+/// LocalStack in its one Python process, would otherwise weigh on every later workload.
+async fn drop_queues(client: &aws_sdk_sqs::Client, queues: &rowq::sqs::QueuePair) {
+    for url in [&queues.queue_url, &queues.dlq_url] {
+        let _ = client.delete_queue().queue_url(url).send().await;
+    }
+}
+
 async fn backlog(pool: &PgPool, n: i64) -> Result<(), Error> {
     sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'noop' FROM generate_series(1, $1)").bind(n).execute(pool).await?;
     sqlx::query("VACUUM ANALYZE rowq.jobs").execute(pool).await?;
@@ -625,6 +633,7 @@ async fn raw_localstack(settings: &Settings) -> Result<Value, Error> {
         task.await??;
     }
     let throughput = rate(total as f64, started.elapsed());
+    drop_queues(&client, &queues).await;
     Ok(
         json!({"workload": "raw-localstack", "messages_per_s": throughput, "messages": total, "concurrency": settings.c}),
     )
@@ -637,11 +646,12 @@ async fn dispatch_localstack(settings: &Settings) -> Result<Value, Error> {
     let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
     let mut config = scheduler_config(settings, &url, &queues.queue_url);
     config.max_in_flight = u32::MAX;
-    let scheduler = scheduler(config, SqsPublisher::new(client, queues.queue_url.clone())).await?;
+    let scheduler = scheduler(config, SqsPublisher::new(client.clone(), queues.queue_url.clone())).await?;
     let (_keep, shutdown) = watch::channel(false);
     let started = Instant::now();
     let totals = scheduler.run(shutdown, true).await;
     let throughput = rate(totals.published as f64, started.elapsed());
+    drop_queues(&client, &queues).await;
     drop_database(pool, &url).await;
     Ok(
         json!({"workload": "dispatch", "transport": "localstack", "rows_per_s": throughput, "published": totals.published}),
@@ -694,6 +704,7 @@ async fn drain_localstack(settings: &Settings) -> Result<Value, Error> {
     let _ = runner.start_kill();
     let _ = scheduler.wait().await;
     let _ = runner.wait().await;
+    drop_queues(&client, &queues).await;
     drop_database(pool, &url).await;
     Ok(json!({
         "workload": "drain", "transport": "localstack", "jobs_per_s": throughput, "pollers": settings.c,
@@ -717,7 +728,7 @@ async fn latency_localstack(settings: &Settings) -> Result<Value, Error> {
         schedulers: 1,
     };
     let scheduler_pool = rowq::store::connect_scheduler(&config.scheduler.database).await?;
-    let pipeline = Pipeline::start(scheduler_pool, client, worker(&pool), config).await?;
+    let pipeline = Pipeline::start(scheduler_pool, client.clone(), worker(&pool), config).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = warm_up(&pool, settings.rate).await?;
     trickle(&pool, settings.latency_n, settings.rate).await?;
@@ -728,6 +739,7 @@ async fn latency_localstack(settings: &Settings) -> Result<Value, Error> {
         .bind(JobState::Succeeded)
         .fetch_one(&pool)
         .await?;
+    drop_queues(&client, &queues).await;
     drop_database(pool, &url).await;
     Ok(
         json!({"workload": "latency", "transport": "localstack", "p50_ms": p50, "p99_ms": p99, "max_ms": max, "unfinished": stuck}),
