@@ -705,3 +705,14 @@ async fn after_a_failed_send_the_scheduler_claims_no_more_until_it_has_backed_of
     assert_eq!((totals.published, totals.released), (0, totals.claimed));
     assert_eq!(common::count_in_state(&pool, JobState::Pending).await, 100);
 }
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_scheduler_sessions_plan_no_sequential_scan_of_the_table(pool: PgPool) {
+    // tests/plans.rs checks the plans under these settings; this checks the sessions get them.
+    let own = rowq::store::connect_scheduler(&common::own_database_config(&pool, 1).await).await.unwrap();
+    let setting: String = sqlx::query_scalar("SHOW enable_seqscan").fetch_one(&own).await.unwrap();
+    assert_eq!(setting, "off");
+    let mut listener = sqlx::postgres::PgListener::connect_with(&own).await.unwrap();
+    let setting: String = sqlx::query_scalar("SHOW enable_seqscan").fetch_one(&mut listener).await.unwrap();
+    assert_eq!(setting, "off", "the listener's connection, where the claim runs, lacks the setting");
+}
