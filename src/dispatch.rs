@@ -89,15 +89,15 @@ impl<P: Publisher> Scheduler<P> {
     /// One pass: claim up to a batch of due rows (within the in-flight cap), publish them in
     /// `SendMessageBatch` calls of up to 10 with several in flight, release what failed.
     pub async fn run_once(&self) -> Result<DispatchReport, DispatchError> {
-        match self.pass(None, false, || true).await {
+        match self.pass(None, || false).await {
             (_, Some(error)) => Err(error),
             (report, None) => Ok(report),
         }
     }
 
-    /// Claims and publishes; with `pipelined`, claim after claim while each comes back full
-    /// and `keep_claiming()` says yes, else one claim. Returns what it did, and the first
-    /// database error, after which it claims no more.
+    /// Claims and publishes: one claim, then claim after claim while each comes back full and
+    /// `keep_claiming()` says yes. Returns what it did, and the first database error, after
+    /// which it claims no more.
     ///
     /// Claiming overlaps publishing: the next claim runs while the rows of the previous ones
     /// are being sent, and up to `publish_concurrency` `SendMessageBatch` calls stay in flight
@@ -115,16 +115,13 @@ impl<P: Publisher> Scheduler<P> {
     async fn pass(
         &self,
         listener: Option<&mut PgListener>,
-        pipelined: bool,
         keep_claiming: impl Fn() -> bool,
     ) -> (DispatchReport, Option<DispatchError>) {
-        let queue = &self.config.queue;
-        let db_error = |action, source| DispatchError::Database { action, queue: queue.clone(), source };
         let claim_batch = self.config.claim_batch as usize;
-        let mut report = DispatchReport { full: true, ..DispatchReport::default() };
+        let mut report = DispatchReport::default();
         let mut error = None;
         let mut listener = listener;
-        let mut claims = 0usize;
+        let mut first = true;
         let mut claiming = std::pin::pin!(None);
         let mut unsent: VecDeque<Vec<Outgoing>> = VecDeque::new();
         let mut sends = FuturesUnordered::new();
@@ -134,9 +131,9 @@ impl<P: Publisher> Scheduler<P> {
                 sends.push(self.send(batch));
             }
             let waiting: usize = unsent.iter().map(Vec::len).sum();
-            let more = report.full && report.publish_error.is_none() && error.is_none();
-            if claiming.is_none() && more && waiting < claim_batch && (claims == 0 || (pipelined && keep_claiming())) {
-                claims += 1;
+            let healthy = report.publish_error.is_none() && error.is_none();
+            if claiming.is_none() && waiting < claim_batch && (first || (healthy && report.full && keep_claiming())) {
+                first = false;
                 claiming.set(Some(self.claim(listener.take())));
             }
             if claiming.is_none() && sends.is_empty() && unsent.is_empty() {
@@ -148,36 +145,22 @@ impl<P: Publisher> Scheduler<P> {
                     listener = returned;
                     match claim {
                         Ok(claim) => unsent.extend(self.claimed(claim, &mut report)),
-                        Err(source) => {
-                            report.full = false;
-                            error = Some(db_error("claim due jobs", source));
-                        }
+                        Err(source) => error = Some(self.db_error("claim due jobs", source)),
                     }
                 }
                 Some((batch, result)) = sends.next(), if !sends.is_empty() => {
                     let failed = self.sent(&batch, result, &mut report);
-                    if !failed.is_empty() {
-                        match store::dispatch::release(&self.pool, &failed).await {
-                            Ok(released) => {
-                                for id in &released {
-                                    tracing::warn!(
-                                        job.id = id.0,
-                                        job.from = "dispatched",
-                                        job.to = "pending",
-                                        "job released: its message was not published"
-                                    );
-                                }
-                                report.released += released.len();
-                            }
-                            Err(source) => {
-                                error.get_or_insert(db_error("release unpublished jobs", source));
-                            }
-                        }
+                    if let Err(release_error) = self.release(&failed, &mut report).await {
+                        error.get_or_insert(release_error);
                     }
                 }
             }
         }
         (report, error)
+    }
+
+    fn db_error(&self, action: &'static str, source: sqlx::Error) -> DispatchError {
+        DispatchError::Database { action, queue: self.config.queue.clone(), source }
     }
 
     /// One claim, on the listener's connection when there is one, which it hands back.
@@ -251,6 +234,24 @@ impl<P: Publisher> Scheduler<P> {
         failed
     }
 
+    /// Puts rows whose message was not accepted back to `pending` (guarded by the generation
+    /// claimed), and adds them to the report.
+    async fn release(&self, failed: &[(JobId, i64)], report: &mut DispatchReport) -> Result<(), DispatchError> {
+        let released = store::dispatch::release(&self.pool, failed)
+            .await
+            .map_err(|source| self.db_error("release unpublished jobs", source))?;
+        for id in &released {
+            tracing::warn!(
+                job.id = id.0,
+                job.from = "dispatched",
+                job.to = "pending",
+                "job released: its message was not published"
+            );
+        }
+        report.released += released.len();
+        Ok(())
+    }
+
     async fn send(&self, batch: Vec<Outgoing>) -> (Vec<Outgoing>, Result<Vec<EntryFailure>, SqsError>) {
         let result = self.publisher.send_batch(&batch).await;
         (batch, result)
@@ -296,7 +297,7 @@ impl<P: Publisher> Scheduler<P> {
             let keep_claiming = || {
                 !*shutdown.borrow() && stop_at.is_none_or(|at| Instant::now() < at) && Instant::now() < next_maintenance
             };
-            let (report, error) = self.pass(listener.as_mut(), true, keep_claiming).await;
+            let (report, error) = self.pass(listener.as_mut(), keep_claiming).await;
             totals.claimed += report.claimed as u64;
             totals.published += report.published as u64;
             totals.released += report.released as u64;

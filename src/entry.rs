@@ -13,7 +13,9 @@
 
 use std::future::Future;
 
-use crate::config::{self, SchedulerConfig, WorkerConfig};
+use sqlx::PgPool;
+
+use crate::config::{self, DatabaseConfig, SchedulerConfig, WorkerConfig};
 use crate::dispatch::{self, Scheduler};
 use crate::handlers::Registry;
 use crate::sqs::{self, SqsPublisher};
@@ -28,23 +30,25 @@ fn block_on<F: Future<Output = Result<(), Error>>>(future: F) -> Result<(), Erro
     tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(future)
 }
 
+/// The Lambdas' pool: the database URL from its secret if one is configured, connecting on
+/// first use (a cold start does not fail while the database is briefly unreachable).
+async fn lazy_pool(database: &mut DatabaseConfig) -> Result<PgPool, Error> {
+    secret::resolve(database).await?;
+    Ok(store::connect_lazy(database)?)
+}
+
 /// The worker Lambda: the database URL from its secret if one is configured, a pool that
 /// connects on first use, and `registry`'s handlers on the Lambda runtime.
 pub fn worker(mut config: WorkerConfig, registry: Registry) -> Result<(), Error> {
     block_on(async move {
-        secret::resolve(&mut config.database).await?;
-        let pool = store::connect_lazy(&config.database)?;
+        let pool = lazy_pool(&mut config.database).await?;
         worker::run_lambda(Worker::new(pool, registry, config)).await
     })
 }
 
 /// The dead-letter Lambda, set up as [`worker`].
 pub fn dlq_handler(mut config: WorkerConfig) -> Result<(), Error> {
-    block_on(async move {
-        secret::resolve(&mut config.database).await?;
-        let pool = store::connect_lazy(&config.database)?;
-        dlq::run_lambda(pool).await
-    })
+    block_on(async move { dlq::run_lambda(lazy_pool(&mut config.database).await?).await })
 }
 
 /// The scheduler: migrates, then publishes to `ROWQ_QUEUE_URL` until SIGTERM or SIGINT (with

@@ -50,12 +50,17 @@ fn assert_reads_only_its_batch(name: &str, explained: Value) {
 /// `n` pending rows, analyzed while all of them were pending: the statistics a queue's table
 /// has after a burst of enqueues.
 async fn backlog_analyzed_while_pending(pool: &PgPool, n: i64) {
+    enqueue(pool, n).await;
+    sqlx::query("ANALYZE rowq.jobs").execute(pool).await.unwrap();
+}
+
+/// `n` pending no-op jobs.
+async fn enqueue(pool: &PgPool, n: i64) {
     sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'noop' FROM generate_series(1, $1)")
         .bind(n)
         .execute(pool)
         .await
         .unwrap();
-    sqlx::query("ANALYZE rowq.jobs").execute(pool).await.unwrap();
 }
 
 /// 50,000 finished rows, then 20,000 pending ones analyzed while pending: a long history and a
@@ -251,7 +256,7 @@ async fn the_scheduler_statements_generic_plans_read_their_indexes_too(pool: PgP
 /// the pickup-latency benchmark leaves it, and one pending job.
 async fn finished_one_at_a_time_and_one_pending(pool: &PgPool, n: usize) {
     for _ in 0..n {
-        common_enqueue(pool).await;
+        enqueue(pool, 1).await;
         let claimed = dispatch::claim_due(pool, "default", 1, Duration::from_secs(60)).await.unwrap();
         assert_eq!(start(pool, &claimed).await, 1);
         sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE state = 'running'")
@@ -259,11 +264,7 @@ async fn finished_one_at_a_time_and_one_pending(pool: &PgPool, n: usize) {
             .await
             .unwrap();
     }
-    common_enqueue(pool).await;
-}
-
-async fn common_enqueue(pool: &PgPool) {
-    sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(pool).await.unwrap();
+    enqueue(pool, 1).await;
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
