@@ -23,10 +23,11 @@ use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent
 use rand::Rng;
 use sqlx::PgPool;
 
-use crate::combine::Combiner;
+use crate::combine::{self, Combiner};
 use crate::config::WorkerConfig;
 use crate::handlers::{JobContext, Registry, catching_panics};
 use crate::job::{JobError, JobId, JobMessage};
+use crate::store::kept::{self, KeptConnections};
 use crate::store::run::{self, Done, Finish, Finished, Outcome, StartRequest, Started, Step};
 
 /// The SQS record attribute that names the FIFO message group.
@@ -71,14 +72,21 @@ enum Recorded {
 impl Worker {
     /// Must be called within a Tokio runtime: it starts the task that sends the fences and
     /// finishes.
+    ///
+    /// The combined statements run on connections of `pool` that the worker keeps between
+    /// back-to-back statements ([`KeptConnections`]): at most one per statement in flight, never
+    /// the whole pool, and none for longer than [`kept::KEEP_FOR`] unused.
     pub fn new(pool: PgPool, registry: Registry, config: WorkerConfig) -> Self {
-        let steps = {
-            let pool = pool.clone();
-            Combiner::spawn(Step::key, Done::key, move |steps| {
-                let pool = pool.clone();
-                async move { run::step(&pool, steps).await }
-            })
-        };
+        let kept = Arc::new(KeptConnections::new(pool.clone(), combine::STATEMENTS_IN_FLIGHT, kept::KEEP_FOR));
+        let steps = Combiner::spawn(Step::key, Done::key, move |steps| {
+            let kept = kept.clone();
+            async move {
+                let mut connection = kept.take().await?;
+                let done = run::step(&mut connection, steps).await?;
+                kept.keep(connection);
+                Ok(done)
+            }
+        });
         Worker { pool, registry, config, steps }
     }
 

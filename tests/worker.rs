@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use rowq::store::admin::{self, NewJob};
 use rowq::store::dispatch::claim_due;
+use rowq::store::kept::KeptConnections;
 use rowq::store::run::{Done, Finish, Outcome, StartRequest, Step, StepKey, finish, start, step};
 use rowq::{JobContext, JobId, JobMessage, JobState, MemoryPublisher, Registry, Scheduler, Worker, maintenance};
 use serde_json::json;
@@ -785,7 +786,8 @@ async fn a_finish_and_a_fence_asked_at_once_share_one_statement_and_keep_their_g
         Step::Start(request(next, 1, Duration::from_secs(60))),
         Step::Start(request(stale, 1, Duration::from_secs(60))),
     ];
-    let answered: Vec<StepKey> = step(&pool, steps).await.unwrap().iter().map(Done::key).collect();
+    let answered: Vec<StepKey> =
+        step(&mut pool.acquire().await.unwrap(), steps).await.unwrap().iter().map(Done::key).collect();
     let expected = vec![
         StepKey::Finish(rowq::store::run::Finished { id: done, dispatch_gen: 1, attempt: 1 }),
         StepKey::Start { id: next, dispatch_gen: 1 },
@@ -819,7 +821,8 @@ async fn a_job_named_by_a_finish_and_a_fence_at_once_is_taken_over_in_two_statem
 
     let stalled = Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
     let steps = vec![Step::Finish(stalled), Step::Start(request(Duration::from_secs(60)))];
-    let answered: Vec<StepKey> = step(&pool, steps).await.unwrap().iter().map(Done::key).collect();
+    let answered: Vec<StepKey> =
+        step(&mut pool.acquire().await.unwrap(), steps).await.unwrap().iter().map(Done::key).collect();
     assert_eq!(answered, vec![StepKey::Start { id, dispatch_gen: 1 }]);
     let row = common::job(&pool, id).await;
     assert_eq!((row.state, row.attempts, row.result), (JobState::Running, 2, None));
@@ -838,9 +841,90 @@ async fn a_stale_and_a_current_fence_for_one_job_beside_a_finish_start_it(pool: 
 
     let done = Finish { id: finished, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!(1) } };
     let steps = vec![Step::Finish(done), Step::Start(request(twice, 1)), Step::Start(request(twice, 2))];
-    let mut answered: Vec<StepKey> = step(&pool, steps).await.unwrap().iter().map(Done::key).collect();
+    let mut answered: Vec<StepKey> =
+        step(&mut pool.acquire().await.unwrap(), steps).await.unwrap().iter().map(Done::key).collect();
     answered.sort_by_key(|key| matches!(key, StepKey::Start { .. }));
     let finished_key = rowq::store::run::Finished { id: finished, dispatch_gen: 1, attempt: 1 };
     assert_eq!(answered, vec![StepKey::Finish(finished_key), StepKey::Start { id: twice, dispatch_gen: 2 }]);
     assert_eq!(common::job(&pool, twice).await.state, JobState::Running);
+}
+
+async fn backend_pid(connection: &mut sqlx::PgConnection) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(connection).await
+}
+
+/// A pool of `size` and the connections a worker would keep of it for `keep_for`.
+async fn kept_of_pool(
+    database: sqlx::postgres::PgConnectOptions,
+    size: u32,
+    keep_for: Duration,
+) -> (PgPool, Arc<KeptConnections>) {
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(size).connect_with(database).await.unwrap();
+    (pool.clone(), Arc::new(KeptConnections::new(pool, 2, keep_for)))
+}
+
+/// One statement as the worker runs it: on a kept connection, kept again. Returns its backend.
+async fn statement_on(kept: &Arc<KeptConnections>) -> i32 {
+    let mut connection = kept.take().await.unwrap();
+    let pid = backend_pid(&mut connection).await.unwrap();
+    kept.keep(connection);
+    pid
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gives_it_back(
+    _: sqlx::postgres::PgPoolOptions,
+    database: sqlx::postgres::PgConnectOptions,
+) {
+    let (pool, kept) = kept_of_pool(database, 3, Duration::from_millis(300)).await;
+    let pid = statement_on(&kept).await;
+    assert_eq!((kept.len(), pool.num_idle()), (1, 0), "kept, not back in the pool");
+    assert_eq!(statement_on(&kept).await, pid, "the next statement runs on the same connection");
+
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(kept.len(), 1, "still kept within its time");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(kept.is_empty(), "an unused connection goes back to the pool after its time");
+    let back = Instant::now();
+    while pool.num_idle() == 0 && back.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(pool.num_idle(), 1, "the pool has it again");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn the_worker_never_keeps_every_connection_of_its_pool(
+    _: sqlx::postgres::PgPoolOptions,
+    database: sqlx::postgres::PgConnectOptions,
+) {
+    // A job's own transaction takes a connection from the same pool while the worker's
+    // statements run: a Lambda worker's pool of 2 keeps one free for it.
+    let (pool, kept) = kept_of_pool(database.clone(), 2, Duration::from_secs(60)).await;
+    let (a, b) = (kept.take().await.unwrap(), kept.take().await.unwrap());
+    kept.keep(a);
+    kept.keep(b);
+    assert_eq!(kept.len(), 1);
+    let mut for_a_job = tokio::time::timeout(Duration::from_secs(2), pool.acquire()).await.unwrap().unwrap();
+    backend_pid(&mut for_a_job).await.unwrap();
+
+    let (_single, kept) = kept_of_pool(database, 1, Duration::from_secs(60)).await;
+    statement_on(&kept).await;
+    assert!(kept.is_empty(), "a pool of one keeps nothing");
+}
+
+#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
+async fn a_connection_kept_past_its_time_is_not_handed_out_even_if_its_release_has_not_run(
+    _: sqlx::postgres::PgPoolOptions,
+    database: sqlx::postgres::PgConnectOptions,
+) {
+    // A Lambda instance is frozen between invocations, timers included; the database or a
+    // proxy may close an idle connection meanwhile. Here the server ends the kept connection's
+    // session and the thread blocks past the keep time, so the release cannot run.
+    let (pool, kept) = kept_of_pool(database, 3, Duration::from_millis(100)).await;
+    let pid = statement_on(&kept).await;
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(kept.len(), 1, "the release did not run: the runtime was blocked");
+    let mut fresh = kept.take().await.unwrap();
+    assert_ne!(backend_pid(&mut fresh).await.unwrap(), pid, "a live connection from the pool, not the stale one");
 }

@@ -7,9 +7,11 @@
 //! - [`run`]: the worker's fence (`start`), its `finish`, and the DLQ's `dead_letter`.
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished ones.
 //! - [`admin`]: enqueue, read, list, cancel, retry, stats (the CLI and tests).
+//! - [`kept`]: the connections a busy worker keeps between its statements.
 
 pub mod admin;
 pub mod dispatch;
+pub mod kept;
 pub mod maintenance;
 pub mod run;
 

@@ -11,7 +11,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgExecutor, PgPool};
+use sqlx::{PgConnection, PgExecutor, PgPool};
 
 use super::millis;
 use crate::job::{JobId, JobState};
@@ -93,12 +93,18 @@ pub const SUCCEED_SQL: &str = r#"
 /// `array_position` finds an id's first request only, so a job named twice (a stale and a
 /// current message in batches combined into one statement) is asked again in a second one.
 pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
+    start_on(&mut *pool.acquire().await?, requests).await
+}
+
+/// [`start`] on one connection (the worker's, see [`step`]).
+async fn start_on(connection: &mut PgConnection, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
     let mut started = Vec::new();
     let mut rest: Vec<&StartRequest> = requests.iter().collect();
     while !rest.is_empty() {
         let (now, later) = first_per_job(rest, |r| r.id);
         let (ids, gens, leases) = start_arrays(now.iter().copied());
-        let rows: Vec<Started> = sqlx::query_as(START_SQL).bind(ids).bind(gens).bind(leases).fetch_all(pool).await?;
+        let rows: Vec<Started> =
+            sqlx::query_as(START_SQL).bind(ids).bind(gens).bind(leases).fetch_all(&mut *connection).await?;
         started.extend(rows);
         rest = later;
     }
@@ -340,7 +346,7 @@ pub static STEP_SQL: LazyLock<String> = LazyLock::new(|| {
 /// a job named by both (a stale execution's finish and a newer message's fence) would be
 /// updated by one of them only: such a batch takes two statements. Every guard is the one of
 /// [`START_SQL`] and [`SUCCEED_SQL`], whose text the statement is built from.
-pub async fn step(pool: &PgPool, steps: Vec<Step>) -> Result<Vec<Done>, sqlx::Error> {
+pub async fn step(connection: &mut PgConnection, steps: Vec<Step>) -> Result<Vec<Done>, sqlx::Error> {
     let (mut starts, mut finishes) = (Vec::new(), Vec::new());
     for step in steps {
         match step {
@@ -354,8 +360,8 @@ pub async fn step(pool: &PgPool, steps: Vec<Step>) -> Result<Vec<Done>, sqlx::Er
         && results.iter().all(Option::is_some)
         && each_job_once(&starts, &finishes);
     if !one_statement {
-        let mut done: Vec<Done> = start(pool, &starts).await?.into_iter().map(Done::Started).collect();
-        done.extend(finish_stored(pool, &finishes, results).await?.into_iter().map(Done::Finished));
+        let mut done: Vec<Done> = start_on(&mut *connection, &starts).await?.into_iter().map(Done::Started).collect();
+        done.extend(finish_stored(&mut *connection, &finishes, results).await?.into_iter().map(Done::Finished));
         return Ok(done);
     }
     type Row = (
@@ -379,7 +385,7 @@ pub async fn step(pool: &PgPool, steps: Vec<Step>) -> Result<Vec<Done>, sqlx::Er
         .bind(start_ids)
         .bind(start_gens)
         .bind(leases)
-        .fetch_all(pool)
+        .fetch_all(&mut *connection)
         .await?;
     rows.into_iter()
         .map(|(started, id, dispatch_gen, attempt, max_attempts, kind, payload, group_key, run_deadline)| {
