@@ -406,8 +406,9 @@ async fn enqueue(settings: &Settings) -> Result<Value, Error> {
         .map(|_| {
             let pool = pool.clone();
             tokio::spawn(async move {
+                let mut connection = pool.acquire().await?; // held, as in `sql_floor`
                 for _ in 0..per {
-                    sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(&pool).await?;
+                    sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(&mut *connection).await?;
                 }
                 Ok::<_, sqlx::Error>(())
             })
@@ -433,6 +434,10 @@ async fn sql_floor(settings: &Settings) -> Result<Value, Error> {
         .map(|_| {
             let pool = pool.clone();
             tokio::spawn(async move {
+                // One connection per task, held throughout, as a plain-SQL consumer loop would
+                // run: taking it from the pool for each statement costs sqlx's test of every
+                // connection that comes back (a round trip), which is not Postgres's work.
+                let mut connection = pool.acquire().await?;
                 loop {
                     let ids: Vec<i64> = sqlx::query_scalar(
                         r#"
@@ -448,14 +453,14 @@ async fn sql_floor(settings: &Settings) -> Result<Value, Error> {
                         RETURNING j.id
                         "#,
                     )
-                    .fetch_all(&pool)
+                    .fetch_all(&mut *connection)
                     .await?;
                     if ids.is_empty() {
                         return Ok::<_, sqlx::Error>(());
                     }
                     sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = ANY($1)")
                         .bind(ids)
-                        .execute(&pool)
+                        .execute(&mut *connection)
                         .await?;
                 }
             })
@@ -529,6 +534,7 @@ async fn latency_floor(settings: &Settings) -> Result<Value, Error> {
     let claimer = {
         let (pool, done) = (pool.clone(), done.clone());
         tokio::spawn(async move {
+            let mut connection = pool.acquire().await?; // held, as in `sql_floor`
             while !done.load(Ordering::Relaxed) {
                 if tokio::time::timeout(Duration::from_millis(100), listener.recv()).await.is_err() {
                     continue;
@@ -540,7 +546,7 @@ async fn latency_floor(settings: &Settings) -> Result<Value, Error> {
                     UPDATE rowq.jobs j SET state = 'running', started_at = now() FROM c WHERE j.id = c.id
                     "#,
                 )
-                .execute(&pool)
+                .execute(&mut *connection)
                 .await?;
             }
             Ok::<_, sqlx::Error>(())
