@@ -58,7 +58,9 @@ struct Settings {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    // One thread, as the worker and scheduler binaries run (`rowq::entry`): the in-memory
+    // workloads run the library's scheduler and worker in this process.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     if let Err(error) = runtime.block_on(run()) {
         eprintln!("bench: {error}");
         std::process::exit(1);

@@ -25,9 +25,20 @@ use crate::{dlq, secret, store};
 /// What a binary reports when it cannot start or stops on an error.
 pub type Error = lambda_runtime::Error;
 
-/// Runs `future` to completion on a multi-threaded runtime, as `#[tokio::main]` does.
+/// Runs `future` to completion on a runtime of one thread.
+///
+/// A Lambda instance handles one batch at a time, and the worker runs a batch's handlers
+/// concurrently within one task, so more threads could only move that task around; the
+/// scheduler is one loop that waits on Postgres and SQS. What more threads did cost is a
+/// cross-thread wake-up (a futex call, often a sleeping thread to schedule) each time an answer
+/// from the database woke a task parked on the other thread. Measured with the library's
+/// scheduler and worker in one process, 8 pollers, on the two cores Postgres shares: 15.6–17.1k
+/// jobs/s and 63–76 µs of CPU per job on two threads, 18.9–19.5k and 52–56 µs on one worker
+/// thread, 19.8–20.9k and 51–52 µs on this one (BENCHMARKS.md, round 8). A handler that needs
+/// CPU for long belongs in `tokio::task::spawn_blocking`, on any runtime; `block_in_place`
+/// is not available here.
 fn block_on<F: Future<Output = Result<(), Error>>>(future: F) -> Result<(), Error> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(future)
+    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(future)
 }
 
 /// The Lambdas' pool: the database URL from its secret if one is configured, connecting on

@@ -29,7 +29,8 @@
 //! - [`event_source`]: the local stand-in for Lambda's SQS event source mapping.
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished rows.
 //! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
-//! - [`entry`]: what the Lambda binaries run, compiled once here instead of in each binary.
+//! - [`entry`]: what the Lambda binaries and the scheduler run, on a one-thread runtime, compiled
+//!   once here instead of in each binary.
 //! - [`config`]: one struct per binary, from the environment.
 //! - [`secret`]: the database URL from Secrets Manager at cold start.
 //! - [`telemetry`]: tracing set-up and field names.
