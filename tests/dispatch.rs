@@ -689,6 +689,10 @@ async fn after_a_failed_send_the_scheduler_claims_no_more_until_it_has_backed_of
     common::enqueue_many(&pool, "noop", 100).await;
     let mut config = common::scheduler_config(MEMORY_URL);
     config.claim_batch = 10;
+    // One send at a time, so that at most one claim more than the one being sent can be taken
+    // before the failure is seen, however the sends and claims interleave: with 8 sends in flight,
+    // a loaded machine let two more claims return before the first failed send was polled.
+    config.publish_concurrency = 1;
     // Long enough for a few passes between backoffs; a pass that went on claiming would claim
     // (and release) the backlog again and again until the budget ran out.
     config.drain_for = Some(Duration::from_millis(700));
