@@ -786,8 +786,7 @@ async fn a_finish_and_a_fence_asked_at_once_share_one_statement_and_keep_their_g
         Step::Start(request(next, 1, Duration::from_secs(60))),
         Step::Start(request(stale, 1, Duration::from_secs(60))),
     ];
-    let answered: Vec<StepKey> =
-        step(&mut pool.acquire().await.unwrap(), steps).await.unwrap().iter().map(Done::key).collect();
+    let answered = keys_answered(&pool, steps).await;
     let expected = vec![
         StepKey::Finish(rowq::store::run::Finished { id: done, dispatch_gen: 1, attempt: 1 }),
         StepKey::Start { id: next, dispatch_gen: 1 },
@@ -821,8 +820,7 @@ async fn a_job_named_by_a_finish_and_a_fence_at_once_is_taken_over_in_two_statem
 
     let stalled = Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!("late") } };
     let steps = vec![Step::Finish(stalled), Step::Start(request(Duration::from_secs(60)))];
-    let answered: Vec<StepKey> =
-        step(&mut pool.acquire().await.unwrap(), steps).await.unwrap().iter().map(Done::key).collect();
+    let answered = keys_answered(&pool, steps).await;
     assert_eq!(answered, vec![StepKey::Start { id, dispatch_gen: 1 }]);
     let row = common::job(&pool, id).await;
     assert_eq!((row.state, row.attempts, row.result), (JobState::Running, 2, None));
@@ -841,12 +839,16 @@ async fn a_stale_and_a_current_fence_for_one_job_beside_a_finish_start_it(pool: 
 
     let done = Finish { id: finished, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!(1) } };
     let steps = vec![Step::Finish(done), Step::Start(request(twice, 1)), Step::Start(request(twice, 2))];
-    let mut answered: Vec<StepKey> =
-        step(&mut pool.acquire().await.unwrap(), steps).await.unwrap().iter().map(Done::key).collect();
+    let mut answered = keys_answered(&pool, steps).await;
     answered.sort_by_key(|key| matches!(key, StepKey::Start { .. }));
     let finished_key = rowq::store::run::Finished { id: finished, dispatch_gen: 1, attempt: 1 };
     assert_eq!(answered, vec![StepKey::Finish(finished_key), StepKey::Start { id: twice, dispatch_gen: 2 }]);
     assert_eq!(common::job(&pool, twice).await.state, JobState::Running);
+}
+
+/// What one combined statement of `steps` answered, by key.
+async fn keys_answered(pool: &PgPool, steps: Vec<Step>) -> Vec<StepKey> {
+    step(&mut pool.acquire().await.unwrap(), steps).await.unwrap().iter().map(Done::key).collect()
 }
 
 async fn backend_pid(connection: &mut sqlx::PgConnection) -> Result<i32, sqlx::Error> {
@@ -885,11 +887,11 @@ async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gi
     assert_eq!(kept.len(), 1, "still kept within its time");
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(kept.is_empty(), "an unused connection goes back to the pool after its time");
-    let back = Instant::now();
-    while pool.num_idle() == 0 && back.elapsed() < Duration::from_secs(5) {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(pool.num_idle(), 1, "the pool has it again");
+    common::eventually(Duration::from_secs(5), "the pool to have it again", || {
+        let idle = pool.num_idle();
+        async move { (idle == 1).then_some(()) }
+    })
+    .await;
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]

@@ -48,15 +48,14 @@ impl KeptConnections {
     /// tests a connection that sat idle before it hands it out again.
     pub async fn take(&self) -> Result<PoolConnection<Postgres>, sqlx::Error> {
         let kept = self.idle().pop();
-        match kept {
-            Some((connection, at)) if at.elapsed() < self.keep_for => Ok(connection),
-            Some(stale) => {
-                drop(stale);
-                self.release_unused();
-                self.pool.acquire().await
+        if let Some((connection, at)) = kept {
+            if at.elapsed() < self.keep_for {
+                return Ok(connection);
             }
-            None => self.pool.acquire().await,
+            drop(connection); // the newest kept is stale, so are the others
+            self.release_unused();
         }
+        self.pool.acquire().await
     }
 
     /// Keeps `connection` for the next statement, for [`KEEP_FOR`] at most. Keep only a
