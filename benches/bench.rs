@@ -11,9 +11,10 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::Stdio;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
@@ -49,6 +50,68 @@ const WORKLOADS: [&str; 10] = [
 /// machine one run of the floor moved by a third from one minute to the next; a pair sees the
 /// same machine, and the median of three pairs is steadier than any one of them.
 const PAIRED: [[&str; 2]; 2] = [["sql-floor", "drain-memory"], ["latency-floor", "latency-memory"]];
+
+/// The system allocator, counting: how many times this process asked for memory (an allocation,
+/// or a reallocation that grew a block) and how many bytes, for the allocations per job the
+/// in-memory workloads report. The scheduler, the worker and the pollers run in this process.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+static ALLOCATED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+fn counted(bytes: usize) {
+    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    ALLOCATED_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+}
+
+// SAFETY: every call is passed on to `System` unchanged; the counters are atomics.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        counted(layout.size());
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        counted(layout.size());
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size > layout.size() {
+            counted(new_size - layout.size());
+        }
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// This process's allocations since it was made.
+struct AllocationMeter {
+    allocations: u64,
+    bytes: u64,
+}
+
+impl AllocationMeter {
+    fn start() -> Self {
+        AllocationMeter {
+            allocations: ALLOCATIONS.load(Ordering::Relaxed),
+            bytes: ALLOCATED_BYTES.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Allocations and bytes allocated per item since `start`.
+    fn per(&self, items: f64) -> (f64, f64) {
+        let allocations = (ALLOCATIONS.load(Ordering::Relaxed) - self.allocations) as f64;
+        let bytes = (ALLOCATED_BYTES.load(Ordering::Relaxed) - self.bytes) as f64;
+        ((allocations / items * 10.0).round() / 10.0, (bytes / items).round())
+    }
+}
 
 struct Settings {
     n: i64,
@@ -289,10 +352,14 @@ impl CpuMeter {
         let process = std::fs::read_to_string("/proc/self/stat")
             .ok()
             .and_then(|stat| {
-                // Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
+                // The fields after the command name (which may hold spaces) start at field 3, the
+                // state (a letter); utime and stime are fields 14 and 15. Every field is counted,
+                // the letter too: skipping what does not parse as a number once read stime and
+                // cutime here, and made this process look 10× cheaper than it is.
                 let rest = &stat[stat.rfind(')')? + 2..];
-                let fields: Vec<f64> = rest.split_whitespace().filter_map(|f| f.parse().ok()).collect();
-                Some((fields.get(11)? + fields.get(12)?) / Self::TICKS)
+                let fields: Vec<&str> = rest.split_whitespace().collect();
+                let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+                Some((ticks(14 - 3)? + ticks(15 - 3)?) / Self::TICKS)
             })
             .unwrap_or(f64::NAN);
         (machine, process)
@@ -487,11 +554,16 @@ async fn dispatch_memory(settings: &Settings) -> Result<Value, Error> {
     config.max_in_flight = u32::MAX;
     let scheduler = scheduler(config, MemoryPublisher::new()).await?;
     let (_keep, shutdown) = watch::channel(false);
+    let allocations = AllocationMeter::start();
     let started = Instant::now();
     let totals = scheduler.run(shutdown, true).await;
     let throughput = rate(totals.published as f64, started.elapsed());
+    let (allocations, allocated_bytes) = allocations.per(totals.published.max(1) as f64);
     drop_database(pool, &url).await;
-    Ok(json!({"workload": "dispatch", "transport": "memory", "rows_per_s": throughput, "published": totals.published}))
+    Ok(json!({
+        "workload": "dispatch", "transport": "memory", "rows_per_s": throughput, "published": totals.published,
+        "client_allocations_per_row": allocations, "client_allocated_bytes_per_row": allocated_bytes,
+    }))
 }
 
 async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
@@ -502,6 +574,7 @@ async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
     );
     let stop = Arc::new(AtomicBool::new(false));
     let cpu = CpuMeter::start();
+    let allocations = AllocationMeter::start();
     let started = Instant::now();
     let progress = Progress::new();
     let consumers =
@@ -510,6 +583,7 @@ async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
     progress.wait_for(settings.n as usize, Duration::from_secs(600)).await?;
     let throughput = rate(settings.n as f64, started.elapsed());
     let (cpu_us, client_cpu_us) = cpu.per(settings.n as f64);
+    let (allocations, allocated_bytes) = allocations.per(settings.n as f64);
     // Every message acknowledged must be a job recorded as succeeded, or the rate means nothing.
     wait_until_succeeded(&pool, settings.n, Duration::ZERO).await?;
     halt.send_replace(true);
@@ -522,6 +596,7 @@ async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
     Ok(json!({
         "workload": "drain", "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c,
         "cpu_us_per_job": cpu_us, "client_cpu_us_per_job": client_cpu_us,
+        "client_allocations_per_job": allocations, "client_allocated_bytes_per_job": allocated_bytes,
         "mean_batch": (settings.n as f64 / progress.batches.load(Ordering::Relaxed).max(1) as f64 * 10.0).round() / 10.0,
     }))
 }
@@ -809,6 +884,18 @@ fn report(results: &[Value]) {
     line("dispatch, in-memory publisher", format!("{:.0} rows/s", f(&dispatch_mem, "rows_per_s")));
     line("dispatch, LocalStack", format!("{:.0} rows/s", f(&dispatch_ls, "rows_per_s")));
     line("drain, in-memory transport", format!("{:.0} jobs/s", f(&drain_mem, "jobs_per_s")));
+    line(
+        "drain in-memory: CPU per job, all / rowq",
+        format!("{:.0} / {:.0} µs", f(&drain_mem, "cpu_us_per_job"), f(&drain_mem, "client_cpu_us_per_job")),
+    );
+    line(
+        "drain in-memory: rowq allocations per job",
+        format!(
+            "{:.1} ({:.1} kB)",
+            f(&drain_mem, "client_allocations_per_job"),
+            f(&drain_mem, "client_allocated_bytes_per_job") / 1000.0
+        ),
+    );
     line("drain, LocalStack", format!("{:.0} jobs/s", f(&drain_ls, "jobs_per_s")));
     line("raw LocalStack send+receive+delete", format!("{:.0} msg/s", f(&raw, "messages_per_s")));
     line("latency floor p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_floor, "p50_ms"), f(&lat_floor, "p99_ms")));
