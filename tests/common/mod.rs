@@ -155,7 +155,13 @@ fn database_config() -> DatabaseConfig {
 /// The URL of database `name` on the test server (`DATABASE_URL`'s server).
 pub fn database_url(name: &str) -> String {
     let server = database_config().url;
-    format!("{}/{name}", &server[..server.rfind('/').unwrap_or(server.len())])
+    // Keep the URL's parameters (`?sslmode=...`): they apply to every database of the server.
+    let (base, query) = server.split_once('?').map_or((server.as_str(), None), |(base, query)| (base, Some(query)));
+    let root = &base[..base.rfind('/').unwrap_or(base.len())];
+    match query {
+        Some(query) => format!("{root}/{name}?{query}"),
+        None => format!("{root}/{name}"),
+    }
 }
 
 /// Settings that open a pool of rowq's own (`rowq::store::connect*`) on the test's database.
