@@ -143,8 +143,7 @@ async fn harness() -> Result<(), Error> {
     let mut rng = StdRng::seed_from_u64(settings.seed);
 
     // A fresh database and fresh queues.
-    let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let database_url = format!("{}/rowq_chaos_{}", &base[..base.rfind('/').unwrap_or(base.len())], std::process::id());
+    let database_url = common::database_url(&format!("rowq_chaos_{}", std::process::id()));
     sqlx::Postgres::create_database(&database_url).await?;
     let result = run(&settings, &mut rng, &database_url).await;
     let _ = sqlx::Postgres::force_drop_database(&database_url).await;

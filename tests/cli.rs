@@ -12,12 +12,7 @@ use sqlx::PgPool;
 
 /// The URL of the test's own database.
 fn database_url(pool: &PgPool) -> String {
-    let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let database = pool.connect_options().get_database().unwrap_or("test").to_string();
-    match base.rfind('/') {
-        Some(slash) => format!("{}/{database}", &base[..slash]),
-        None => base,
-    }
+    common::database_url(pool.connect_options().get_database().unwrap_or("test"))
 }
 
 fn rowq(pool: &PgPool, args: &[&str]) -> Output {
