@@ -855,12 +855,10 @@ async fn backend_pid(connection: &mut sqlx::PgConnection) -> Result<i32, sqlx::E
     sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(connection).await
 }
 
-/// A pool of `size` and the connections a worker would keep of it for `keep_for`.
-async fn kept_of_pool(
-    database: sqlx::postgres::PgConnectOptions,
-    size: u32,
-    keep_for: Duration,
-) -> (PgPool, Arc<KeptConnections>) {
+/// A pool of `size` on `test`'s database and the connections a worker would keep of it for
+/// `keep_for`.
+async fn kept_of_pool(test: &PgPool, size: u32, keep_for: Duration) -> (PgPool, Arc<KeptConnections>) {
+    let database = (*test.connect_options()).clone();
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(size).connect_with(database).await.unwrap();
     (pool.clone(), Arc::new(KeptConnections::new(pool, 2, keep_for)))
 }
@@ -874,11 +872,8 @@ async fn statement_on(kept: &Arc<KeptConnections>) -> i32 {
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gives_it_back(
-    _: sqlx::postgres::PgPoolOptions,
-    database: sqlx::postgres::PgConnectOptions,
-) {
-    let (pool, kept) = kept_of_pool(database, 3, Duration::from_millis(300)).await;
+async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gives_it_back(test: PgPool) {
+    let (pool, kept) = kept_of_pool(&test, 3, Duration::from_millis(300)).await;
     let pid = statement_on(&kept).await;
     assert_eq!((kept.len(), pool.num_idle()), (1, 0), "kept, not back in the pool");
     assert_eq!(statement_on(&kept).await, pid, "the next statement runs on the same connection");
@@ -895,13 +890,10 @@ async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gi
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_worker_never_keeps_every_connection_of_its_pool(
-    _: sqlx::postgres::PgPoolOptions,
-    database: sqlx::postgres::PgConnectOptions,
-) {
+async fn the_worker_never_keeps_every_connection_of_its_pool(test: PgPool) {
     // A job's own transaction takes a connection from the same pool while the worker's
     // statements run: a Lambda worker's pool of 2 keeps one free for it.
-    let (pool, kept) = kept_of_pool(database.clone(), 2, Duration::from_secs(60)).await;
+    let (pool, kept) = kept_of_pool(&test, 2, Duration::from_secs(60)).await;
     let (a, b) = (kept.take().await.unwrap(), kept.take().await.unwrap());
     kept.keep(a);
     kept.keep(b);
@@ -909,20 +901,17 @@ async fn the_worker_never_keeps_every_connection_of_its_pool(
     let mut for_a_job = tokio::time::timeout(Duration::from_secs(2), pool.acquire()).await.unwrap().unwrap();
     backend_pid(&mut for_a_job).await.unwrap();
 
-    let (_single, kept) = kept_of_pool(database, 1, Duration::from_secs(60)).await;
+    let (_single, kept) = kept_of_pool(&test, 1, Duration::from_secs(60)).await;
     statement_on(&kept).await;
     assert!(kept.is_empty(), "a pool of one keeps nothing");
 }
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_connection_kept_past_its_time_is_not_handed_out_even_if_its_release_has_not_run(
-    _: sqlx::postgres::PgPoolOptions,
-    database: sqlx::postgres::PgConnectOptions,
-) {
+async fn a_connection_kept_past_its_time_is_not_handed_out_even_if_its_release_has_not_run(test: PgPool) {
     // A Lambda instance is frozen between invocations, timers included; the database or a
     // proxy may close an idle connection meanwhile. Here the server ends the kept connection's
     // session and the thread blocks past the keep time, so the release cannot run.
-    let (pool, kept) = kept_of_pool(database, 3, Duration::from_millis(100)).await;
+    let (pool, kept) = kept_of_pool(&test, 3, Duration::from_millis(100)).await;
     let pid = statement_on(&kept).await;
     sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
     std::thread::sleep(Duration::from_millis(300));
