@@ -873,14 +873,15 @@ async fn statement_on(kept: &Arc<KeptConnections>) -> i32 {
 
 #[sqlx::test(migrator = "rowq::store::MIGRATOR")]
 async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gives_it_back(test: PgPool) {
-    let (pool, kept) = kept_of_pool(&test, 3, Duration::from_millis(300)).await;
+    // A keep time long against a loaded machine's stalls: the checks within it must not race it.
+    let (pool, kept) = kept_of_pool(&test, 3, Duration::from_secs(1)).await;
     let pid = statement_on(&kept).await;
     assert_eq!((kept.len(), pool.num_idle()), (1, 0), "kept, not back in the pool");
     assert_eq!(statement_on(&kept).await, pid, "the next statement runs on the same connection");
 
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(kept.len(), 1, "still kept within its time");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     assert!(kept.is_empty(), "an unused connection goes back to the pool after its time");
     common::eventually(Duration::from_secs(5), "the pool to have it again", || {
         let idle = pool.num_idle();
@@ -911,9 +912,14 @@ async fn a_connection_kept_past_its_time_is_not_handed_out_even_if_its_release_h
     // A Lambda instance is frozen between invocations, timers included; the database or a
     // proxy may close an idle connection meanwhile. Here the server ends the kept connection's
     // session and the thread blocks past the keep time, so the release cannot run.
+    // The session ends before the connection is kept, so nothing awaits between the keep and
+    // the blocking sleep: on this one-thread runtime the release timer cannot run however slow
+    // the machine (awaiting the terminate after the keep let a loaded CI machine run it).
     let (pool, kept) = kept_of_pool(&test, 3, Duration::from_millis(100)).await;
-    let pid = statement_on(&kept).await;
+    let mut connection = kept.take().await.unwrap();
+    let pid = backend_pid(&mut connection).await.unwrap();
     sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
+    kept.keep(connection);
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(kept.len(), 1, "the release did not run: the runtime was blocked");
     let mut fresh = kept.take().await.unwrap();
