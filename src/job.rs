@@ -6,9 +6,8 @@ use std::fmt;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-/// Primary key of a row in `rowq.jobs`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, sqlx::Type)]
-#[sqlx(transparent)]
+/// Primary key of a row in `rowq.jobs`; in SQL the `bigint` it wraps (`store::types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct JobId(pub i64);
 
@@ -18,10 +17,9 @@ impl fmt::Display for JobId {
     }
 }
 
-/// Mirrors the Postgres enum `rowq.job_state`. The arrows of the state machine are the
+/// Mirrors the Postgres enum `rowq.job_state`, whose labels are [`JobState::as_str`]. The arrows of the state machine are the
 /// functions of [`crate::store`]; each variant says who moves a job in and out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, sqlx::Type)]
-#[sqlx(type_name = "rowq.job_state", rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
     /// In: `INSERT`, a retry after a job error, a rescue, a release after a failed publish,

@@ -16,8 +16,9 @@ async fn refused(pool: &PgPool, sql: &'static str) -> String {
     sqlx::query(sql).execute(pool).await.err().map(|e| e.to_string()).unwrap_or_else(|| panic!("accepted: {sql}"))
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn updates_that_break_the_row_contract_are_refused_too(pool: PgPool) {
+#[tokio::test]
+async fn updates_that_break_the_row_contract_are_refused_too() {
+    let pool = common::database().await;
     common::enqueue(&pool, "noop", json!({})).await;
     let error = refused(&pool, "UPDATE rowq.jobs SET attempts = -1").await;
     assert!(error.contains("jobs_attempts_not_negative"), "{error}");
@@ -33,8 +34,9 @@ async fn updates_that_break_the_row_contract_are_refused_too(pool: PgPool) {
     assert!(error.contains(r#"cannot insert a non-DEFAULT value into column "id""#), "{error}");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn values_that_look_like_sql_are_stored_verbatim(pool: PgPool) {
+#[tokio::test]
+async fn values_that_look_like_sql_are_stored_verbatim() {
+    let pool = common::database().await;
     let nasty = "x'); DELETE FROM rowq.jobs; --";
     let job = NewJob {
         dedup_key: Some(nasty.into()),
@@ -52,8 +54,9 @@ async fn values_that_look_like_sql_are_stored_verbatim(pool: PgPool) {
     assert!(error.contains("jobs_kind_is_a_nonempty_identifier"), "{error}");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn run_at_far_in_the_past_runs_now_and_far_in_the_future_waits_without_harm(pool: PgPool) {
+#[tokio::test]
+async fn run_at_far_in_the_past_runs_now_and_far_in_the_future_waits_without_harm() {
+    let pool = common::database().await;
     sqlx::query("INSERT INTO rowq.jobs (kind, run_at) VALUES ('noop', '0001-01-01T00:00:00Z'), ('noop', '9999-12-31T23:59:59Z')")
         .execute(&pool)
         .await
@@ -79,8 +82,9 @@ async fn run_at_far_in_the_past_runs_now_and_far_in_the_future_waits_without_har
     assert_eq!(common::count_in_state(&pool, JobState::Dispatched).await, 1);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_scheduler_claims_only_its_own_queue(pool: PgPool) {
+#[tokio::test]
+async fn a_scheduler_claims_only_its_own_queue() {
+    let pool = common::database().await;
     admin::enqueue(&pool, &NewJob { queue: Some("emails".into()), ..NewJob::new("noop", json!({})) })
         .await
         .unwrap()

@@ -55,8 +55,9 @@ fn refusal(pool: &PgPool, args: &[&str]) -> String {
     message
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn enqueue_then_status_shows_the_job_succeeded_with_its_result(pool: PgPool) {
+#[tokio::test]
+async fn enqueue_then_status_shows_the_job_succeeded_with_its_result() {
+    let pool = common::database().await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
     let config = common::pipeline_config(&queues, 2, false);
@@ -85,8 +86,9 @@ async fn enqueue_then_status_shows_the_job_succeeded_with_its_result(pool: PgPoo
     assert_eq!(stats["finished_last_minute"], json!(1));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn cancel_and_retry_move_jobs_and_refuse_clearly_when_they_cannot(pool: PgPool) {
+#[tokio::test]
+async fn cancel_and_retry_move_jobs_and_refuse_clearly_when_they_cannot() {
+    let pool = common::database().await;
     let pending = json_of(&pool, &["enqueue", "noop", "--delay", "3600"])["id"].as_i64().unwrap().to_string();
     let cancelled = json_of(&pool, &["cancel", &pending]);
     assert_eq!(cancelled["state"], json!("cancelled"));
@@ -131,8 +133,9 @@ async fn cancel_and_retry_move_jobs_and_refuse_clearly_when_they_cannot(pool: Pg
     assert_eq!(all["retried"], json!([failed]));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn bad_input_gets_one_clear_line_and_a_nonzero_exit(pool: PgPool) {
+#[tokio::test]
+async fn bad_input_gets_one_clear_line_and_a_nonzero_exit() {
+    let pool = common::database().await;
     let message = refusal(&pool, &["enqueue", "noop", "{not json"]);
     assert!(message.contains("PAYLOAD is not valid JSON"), "{message}");
     let message = refusal(&pool, &["enqueue", "bad kind!"]);
@@ -163,8 +166,9 @@ async fn bad_input_gets_one_clear_line_and_a_nonzero_exit(pool: PgPool) {
     assert!(stderr(&output).contains("cannot create the queues"), "{}", stderr(&output));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn queues_create_is_idempotent_and_prints_the_urls(pool: PgPool) {
+#[tokio::test]
+async fn queues_create_is_idempotent_and_prints_the_urls() {
+    let pool = common::database().await;
     let name = format!("rowq-cli-{}", std::process::id());
     let first = json_of(&pool, &["queues", "create", "--name", &name]);
     let second = json_of(&pool, &["queues", "create", "--name", &name, "--max-receive-count", "3"]);

@@ -44,8 +44,9 @@ async fn enqueue_with(pool: &PgPool, job: NewJob) -> JobId {
     admin::enqueue(pool, &job).await.unwrap().unwrap()
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn claims_follow_priority_then_run_at_then_id_and_skip_future_rows(pool: PgPool) {
+#[tokio::test]
+async fn claims_follow_priority_then_run_at_then_id_and_skip_future_rows() {
+    let pool = common::database().await;
     let now = chrono::Utc::now();
     let due_since = |seconds: i64| NewJob {
         run_at: Some(now - chrono::Duration::seconds(seconds)),
@@ -85,8 +86,9 @@ async fn claims_follow_priority_then_run_at_then_id_and_skip_future_rows(pool: P
     assert!(sent.iter().all(|o| o.message.dispatch_gen == 2 && o.group_id == o.dedup_id));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_claim_sets_the_lease_and_bumps_the_generation(pool: PgPool) {
+#[tokio::test]
+async fn a_claim_sets_the_lease_and_bumps_the_generation() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     let claimed = claim_due(&pool, "default", 10, Duration::from_secs(120)).await.unwrap();
     assert_eq!(claimed.len(), 1);
@@ -100,8 +102,9 @@ async fn a_claim_sets_the_lease_and_bumps_the_generation(pool: PgPool) {
     assert!(claim_due(&pool, "default", 10, Duration::from_secs(120)).await.unwrap().is_empty());
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn concurrent_schedulers_dispatch_every_job_generation_exactly_once(pool: PgPool) {
+#[tokio::test]
+async fn concurrent_schedulers_dispatch_every_job_generation_exactly_once() {
+    let pool = common::database().await;
     const JOBS: i64 = 5000;
     const SCHEDULERS: usize = 6;
     common::enqueue_many(&pool, "noop", JOBS).await;
@@ -140,8 +143,9 @@ async fn concurrent_schedulers_dispatch_every_job_generation_exactly_once(pool: 
     assert!(per_scheduler.iter().filter(|n| **n > 0).count() > 1, "only one scheduler did any work: {per_scheduler:?}");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn concurrent_schedulers_deliver_every_row_once_through_localstack(pool: PgPool) {
+#[tokio::test]
+async fn concurrent_schedulers_deliver_every_row_once_through_localstack() {
+    let pool = common::database().await;
     const JOBS: i64 = 2000;
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
@@ -171,8 +175,9 @@ async fn concurrent_schedulers_deliver_every_row_once_through_localstack(pool: P
     assert_eq!(unique.len() as i64, JOBS);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_in_flight_cap_holds_back_dispatch_and_a_new_high_priority_job_goes_first_when_room_frees(pool: PgPool) {
+#[tokio::test]
+async fn the_in_flight_cap_holds_back_dispatch_and_a_new_high_priority_job_goes_first_when_room_frees() {
+    let pool = common::database().await;
     let mut config = common::scheduler_config(MEMORY_URL);
     config.max_in_flight = 5;
     let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
@@ -205,8 +210,9 @@ async fn the_in_flight_cap_holds_back_dispatch_and_a_new_high_priority_job_goes_
     assert_eq!(sent[0].message.job_id, urgent, "the high-priority job did not jump the backlog");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_failed_publish_puts_rows_back_to_pending_without_using_attempts_and_they_go_out_on_recovery(pool: PgPool) {
+#[tokio::test]
+async fn a_failed_publish_puts_rows_back_to_pending_without_using_attempts_and_they_go_out_on_recovery() {
+    let pool = common::database().await;
     let ids = common::enqueue_many(&pool, "noop", 25).await;
     let scheduler = memory_scheduler(&pool);
     scheduler.publisher().set_failing(true);
@@ -226,8 +232,9 @@ async fn a_failed_publish_puts_rows_back_to_pending_without_using_attempts_and_t
     assert_eq!(common::count_in_state(&pool, JobState::Dispatched).await, 25);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_queue_that_does_not_exist_releases_the_rows_for_a_later_pass(pool: PgPool) {
+#[tokio::test]
+async fn a_queue_that_does_not_exist_releases_the_rows_for_a_later_pass() {
+    let pool = common::database().await;
     let client = common::sqs().await;
     let missing = format!("{}/000000000000/rowq-no-such-queue.fifo", common::endpoint());
     let scheduler = Scheduler::new(
@@ -245,8 +252,9 @@ async fn a_queue_that_does_not_exist_releases_the_rows_for_a_later_pass(pool: Pg
     }
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn an_unreachable_endpoint_releases_the_rows_and_they_are_dispatched_once_it_is_back(pool: PgPool) {
+#[tokio::test]
+async fn an_unreachable_endpoint_releases_the_rows_and_they_are_dispatched_once_it_is_back() {
+    let pool = common::database().await;
     let real = common::sqs().await;
     let queues = common::queues(&real, 5, Duration::from_secs(60)).await;
     // Nothing listens on port 1: every call fails to connect, like an endpoint that went away.
@@ -272,10 +280,9 @@ async fn an_unreachable_endpoint_releases_the_rows_and_they_are_dispatched_once_
     assert_eq!(received, ids.into_iter().collect());
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_crash_between_claim_and_publish_is_rescued_after_the_lease_and_the_old_generation_cannot_start(
-    pool: PgPool,
-) {
+#[tokio::test]
+async fn a_crash_between_claim_and_publish_is_rescued_after_the_lease_and_the_old_generation_cannot_start() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     // The "crashed" scheduler claimed and never published.
     let crashed = claim_due(&pool, "default", 10, Duration::from_millis(300)).await.unwrap();
@@ -301,8 +308,9 @@ async fn a_crash_between_claim_and_publish_is_rescued_after_the_lease_and_the_ol
     assert_eq!(current.len(), 1);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order(pool: PgPool) {
+#[tokio::test]
+async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order() {
+    let pool = common::database().await;
     let group = |n: i64| NewJob {
         group_key: Some("customer-9".into()),
         payload: json!({ "n": n }),
@@ -336,8 +344,9 @@ async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order(pool: PgPool
     assert_eq!(sent, vec![second]);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn an_idle_scheduler_wakes_on_notify_long_before_its_poll_interval(pool: PgPool) {
+#[tokio::test]
+async fn an_idle_scheduler_wakes_on_notify_long_before_its_poll_interval() {
+    let pool = common::database().await;
     let (stop, running) = spawn_idle_scheduler(&pool);
     tokio::time::sleep(Duration::from_millis(500)).await; // idle, listening
 
@@ -355,8 +364,9 @@ async fn an_idle_scheduler_wakes_on_notify_long_before_its_poll_interval(pool: P
     assert_eq!(totals.published, 5);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_scheduler_listens_again_after_its_connection_is_terminated(pool: PgPool) {
+#[tokio::test]
+async fn the_scheduler_listens_again_after_its_connection_is_terminated() {
+    let pool = common::database().await;
     let (stop, running) = spawn_idle_scheduler(&pool);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let killed: Vec<bool> = sqlx::query_scalar(
@@ -389,8 +399,9 @@ async fn the_scheduler_listens_again_after_its_connection_is_terminated(pool: Pg
     running.await.unwrap();
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_bounded_drain_stops_when_its_budget_is_spent(pool: PgPool) {
+#[tokio::test]
+async fn a_bounded_drain_stops_when_its_budget_is_spent() {
+    let pool = common::database().await;
     let mut config = common::scheduler_config(MEMORY_URL);
     config.drain_for = Some(Duration::from_millis(700));
     let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
@@ -404,16 +415,18 @@ async fn a_bounded_drain_stops_when_its_budget_is_spent(pool: PgPool) {
     println!("drain with a 700 ms budget returned after {elapsed:?}");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_shutdown_signal_stops_an_idle_scheduler(pool: PgPool) {
+#[tokio::test]
+async fn a_shutdown_signal_stops_an_idle_scheduler() {
+    let pool = common::database().await;
     let (stop, running) = spawn_idle_scheduler(&pool);
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(10), running).await.expect("the scheduler ignored shutdown").unwrap();
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn finished_rows_older_than_the_retention_are_pruned_and_others_kept(pool: PgPool) {
+#[tokio::test]
+async fn finished_rows_older_than_the_retention_are_pruned_and_others_kept() {
+    let pool = common::database().await;
     let old = common::enqueue(&pool, "noop", json!({})).await;
     let recent = common::enqueue(&pool, "noop", json!({})).await;
     let waiting = common::enqueue(&pool, "noop", json!({})).await;
@@ -434,8 +447,9 @@ async fn finished_rows_older_than_the_retention_are_pruned_and_others_kept(pool:
     assert!(admin::get(&pool, waiting).await.unwrap().is_some());
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_release_after_a_worker_started_the_job_leaves_it_running(pool: PgPool) {
+#[tokio::test]
+async fn a_release_after_a_worker_started_the_job_leaves_it_running() {
+    let pool = common::database().await;
     // The send timed out from the scheduler's side but reached SQS, and a worker already
     // started the job: the release must not put it back to pending (a second run).
     let id = common::enqueue(&pool, "noop", json!({})).await;
@@ -479,8 +493,9 @@ impl rowq::Publisher for Inspecting {
     }
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn claims_are_committed_before_anything_is_sent(pool: PgPool) {
+#[tokio::test]
+async fn claims_are_committed_before_anything_is_sent() {
+    let pool = common::database().await;
     // If the claim's transaction were still open during the SQS call, another connection would
     // see the rows as pending, and a worker fast enough could not fence them.
     common::enqueue_many(&pool, "noop", 30).await;
@@ -495,8 +510,9 @@ async fn claims_are_committed_before_anything_is_sent(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn claims_made_on_the_listener_connection_are_committed_before_anything_is_sent_too(pool: PgPool) {
+#[tokio::test]
+async fn claims_made_on_the_listener_connection_are_committed_before_anything_is_sent_too() {
+    let pool = common::database().await;
     // The running scheduler claims on its listener's connection, not through `run_once`'s pool,
     // and with batches of 10 its second and third claims run while the first rows are sent.
     common::enqueue_many(&pool, "noop", 30).await;
@@ -514,8 +530,9 @@ async fn claims_made_on_the_listener_connection_are_committed_before_anything_is
     assert_eq!((published, seen.len()), (30, 30));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_job_id_used_again_after_the_table_is_recreated_is_not_dropped_by_sqs_deduplication(pool: PgPool) {
+#[tokio::test]
+async fn a_job_id_used_again_after_the_table_is_recreated_is_not_dropped_by_sqs_deduplication() {
+    let pool = common::database().await;
     // SQS silently drops a message whose dedup id it saw in the last five minutes. Job ids
     // come back after TRUNCATE ... RESTART IDENTITY or a restore from backup.
     let client = common::sqs().await;
@@ -536,8 +553,9 @@ async fn a_job_id_used_again_after_the_table_is_recreated_is_not_dropped_by_sqs_
     assert_eq!(received.len(), 2, "SQS dropped the second job as a duplicate of the first");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_claim_alone_commits_without_waiting_for_the_disk(pool: PgPool) {
+#[tokio::test]
+async fn the_claim_alone_commits_without_waiting_for_the_disk() {
+    let pool = common::database().await;
     common::enqueue(&pool, "noop", json!({})).await;
     let mut connection = pool.acquire().await.unwrap();
     let mut tx = sqlx::Connection::begin(&mut *connection).await.unwrap();
@@ -557,8 +575,9 @@ async fn the_claim_alone_commits_without_waiting_for_the_disk(pool: PgPool) {
     assert_eq!(after, "on", "the claim changed the setting for the rest of the session");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn one_statement_claims_and_tells_when_the_next_delayed_job_is_due(pool: PgPool) {
+#[tokio::test]
+async fn one_statement_claims_and_tells_when_the_next_delayed_job_is_due() {
+    let pool = common::database().await;
     let at = chrono::Utc::now() + chrono::Duration::seconds(30);
     let mut delayed = NewJob::new("noop", json!({}));
     delayed.run_at = Some(at);
@@ -577,8 +596,9 @@ async fn one_statement_claims_and_tells_when_the_next_delayed_job_is_due(pool: P
     assert_eq!(empty.next_due, claim.next_due);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_scheduler_plans_its_statements_once_per_connection(pool: PgPool) {
+#[tokio::test]
+async fn the_scheduler_plans_its_statements_once_per_connection() {
+    let pool = common::database().await;
     common::enqueue_many(&pool, "noop", 20).await;
     let own = rowq::store::connect_scheduler(&common::own_database_config(&pool, 1).await).await.unwrap();
     for _ in 0..8 {
@@ -593,8 +613,9 @@ async fn the_scheduler_plans_its_statements_once_per_connection(pool: PgPool) {
     assert_eq!((generic, custom), (8, 0), "the claim was planned again for its parameters");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_connection_that_died_while_idle_is_replaced_before_use(pool: PgPool) {
+#[tokio::test]
+async fn a_connection_that_died_while_idle_is_replaced_before_use() {
+    let pool = common::database().await;
     let own = rowq::store::connect(&common::own_database_config(&pool, 1).await).await.unwrap();
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&own).await.unwrap();
     sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
@@ -638,8 +659,9 @@ impl rowq::Publisher for Gated {
     }
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_next_claim_runs_while_the_rows_of_the_last_one_are_still_being_sent(pool: PgPool) {
+#[tokio::test]
+async fn the_next_claim_runs_while_the_rows_of_the_last_one_are_still_being_sent() {
+    let pool = common::database().await;
     // Each send holds until a later claim has committed: a scheduler that claimed only after
     // its sends came back would hold every send for the full 10 s and see only its own rows.
     common::enqueue_many(&pool, "noop", 30).await;
@@ -656,8 +678,9 @@ async fn the_next_claim_runs_while_the_rows_of_the_last_one_are_still_being_sent
     assert_eq!(at_send.len(), 3, "{at_send:?}");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_slow_queue_is_not_claimed_further_ahead_than_two_claims(pool: PgPool) {
+#[tokio::test]
+async fn a_slow_queue_is_not_claimed_further_ahead_than_two_claims() {
+    let pool = common::database().await;
     // While the first sends hang, the scheduler may have claimed the next batch, but not the
     // backlog: claimed rows that wait in its memory spend their dispatch lease.
     common::enqueue_many(&pool, "noop", 100).await;
@@ -682,8 +705,9 @@ async fn a_slow_queue_is_not_claimed_further_ahead_than_two_claims(pool: PgPool)
     running.abort();
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn after_a_failed_send_the_scheduler_claims_no_more_until_it_has_backed_off(pool: PgPool) {
+#[tokio::test]
+async fn after_a_failed_send_the_scheduler_claims_no_more_until_it_has_backed_off() {
+    let pool = common::database().await;
     // The claim that was already running when the send failed may still come back (and its
     // rows go out or back to pending), but the pass must not go on through the backlog.
     common::enqueue_many(&pool, "noop", 100).await;
@@ -711,8 +735,9 @@ async fn after_a_failed_send_the_scheduler_claims_no_more_until_it_has_backed_of
     assert_eq!(common::count_in_state(&pool, JobState::Pending).await, 100);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_scheduler_sessions_plan_no_sequential_scan_of_the_table(pool: PgPool) {
+#[tokio::test]
+async fn the_scheduler_sessions_plan_no_sequential_scan_of_the_table() {
+    let pool = common::database().await;
     // tests/plans.rs checks the plans under these settings; this checks the sessions get them.
     let own = rowq::store::connect_scheduler(&common::own_database_config(&pool, 1).await).await.unwrap();
     let setting: String = sqlx::query_scalar("SHOW enable_seqscan").fetch_one(&own).await.unwrap();

@@ -15,7 +15,6 @@ use rowq::store::dispatch::claim_due;
 use rowq::{JobContext, JobError, JobMessage, JobState, Registry, Scheduler, SqsPublisher, Worker, dlq};
 use serde_json::json;
 use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 fn effect_registry() -> Registry {
     Registry::builtin().register("effect", |ctx: JobContext, _: serde_json::Value| async move {
@@ -40,8 +39,9 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn every_message_delivered_twice_still_runs_each_job_once(pool: PgPool) {
+#[tokio::test]
+async fn every_message_delivered_twice_still_runs_each_job_once() {
+    let pool = common::database().await;
     const JOBS: i64 = 300;
     create_effects(&pool).await;
     let client = common::sqs().await;
@@ -109,8 +109,9 @@ async fn every_message_delivered_twice_still_runs_each_job_once(pool: PgPool) {
     assert!(leftover.is_empty(), "messages left on the queue: {}", leftover.len());
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_their_jobs(pool: PgPool) {
+#[tokio::test]
+async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_their_jobs() {
+    let pool = common::database().await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 2, Duration::from_secs(1)).await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
@@ -169,8 +170,9 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
     println!("dead-lettered after {:?}: {error}", started.elapsed());
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_dlq_handler_leaves_finished_and_redispatched_jobs_alone(pool: PgPool) {
+#[tokio::test]
+async fn the_dlq_handler_leaves_finished_and_redispatched_jobs_alone() {
+    let pool = common::database().await;
     let finished = common::enqueue(&pool, "noop", json!({})).await;
     let redispatched = common::enqueue(&pool, "noop", json!({})).await;
     let dead = common::enqueue(&pool, "noop", json!({})).await;
@@ -205,15 +207,12 @@ async fn the_dlq_handler_leaves_finished_and_redispatched_jobs_alone(pool: PgPoo
     assert!(row.last_error.unwrap().contains("received 5 times"));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn thousands_of_rows_flow_from_insert_to_succeeded_with_two_schedulers_and_several_pollers(
-    _: PgPoolOptions,
-    database: PgConnectOptions,
-) {
+#[tokio::test]
+async fn thousands_of_rows_flow_from_insert_to_succeeded_with_two_schedulers_and_several_pollers() {
     const JOBS: i64 = 3000;
     // 8 pollers × 10 records, each job writing through its own transaction: more connections
-    // than the 5 a #[sqlx::test] pool allows.
-    let pool = PgPoolOptions::new().max_connections(40).connect_with(database).await.unwrap();
+    // than the 5 of a test's usual pool.
+    let pool = common::database_with(40).await;
     create_effects(&pool).await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;

@@ -4,6 +4,8 @@
 //! and a plan chosen from them cost the claim a sequential scan of the whole table and each
 //! fence a scan of every in-flight row, until these statements were written not to allow it.
 
+mod common;
+
 use std::time::Duration;
 
 use rowq::store::dispatch::{self, CLAIM_SQL, RELEASE_SQL};
@@ -93,10 +95,9 @@ fn requests(ids: &[rowq::JobId]) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
     (ids.iter().map(|id| id.0).collect(), vec![1; ids.len()], vec![60_000; ids.len()])
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statistics_say_nothing_is_in_flight(
-    pool: PgPool,
-) {
+#[tokio::test]
+async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statistics_say_nothing_is_in_flight() {
+    let pool = common::database().await;
     backlog_analyzed_while_pending(&pool, 5000).await;
     let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
     let ids: Vec<_> = claimed.iter().take(10).map(|c| c.id).collect();
@@ -110,8 +111,9 @@ async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statisti
     assert_reads_only_its_batch("release", release);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_is_running(pool: PgPool) {
+#[tokio::test]
+async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_is_running() {
+    let pool = common::database().await;
     backlog_analyzed_while_pending(&pool, 5000).await;
     let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
     assert_eq!(start(&pool, &claimed).await, 2000);
@@ -156,8 +158,9 @@ async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_i
     assert_reads_only_its_batch("fence and finish", explained);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finished_rows(pool: PgPool) {
+#[tokio::test]
+async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finished_rows() {
+    let pool = common::database().await;
     history_and_deep_backlog(&pool).await;
 
     let explained: Value = sqlx::query_scalar(explain(CLAIM_SQL))
@@ -185,8 +188,9 @@ fn assert_claim_reads_its_indexes(explained: Value) {
     );
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_rescues_update_the_rescued_rows_by_primary_key_while_statistics_say_no_row_is_stuck(pool: PgPool) {
+#[tokio::test]
+async fn the_rescues_update_the_rescued_rows_by_primary_key_while_statistics_say_no_row_is_stuck() {
+    let pool = common::database().await;
     backlog_analyzed_while_pending(&pool, 5000).await;
     let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
     assert_eq!(start(&pool, &claimed[..1000]).await, 1000);
@@ -236,8 +240,9 @@ async fn explain_in_session(
     explained
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_scheduler_statements_generic_plans_read_their_indexes_too(pool: PgPool) {
+#[tokio::test]
+async fn the_scheduler_statements_generic_plans_read_their_indexes_too() {
+    let pool = common::database().await;
     history_and_deep_backlog(&pool).await;
     let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
     assert_eq!(start(&pool, &claimed[..1000]).await, 1000);
@@ -267,8 +272,9 @@ async fn finished_one_at_a_time_and_one_pending(pool: &PgPool, n: usize) {
     enqueue(pool, 1).await;
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn on_a_small_table_the_scheduler_still_claims_by_primary_key_not_by_reading_every_row(pool: PgPool) {
+#[tokio::test]
+async fn on_a_small_table_the_scheduler_still_claims_by_primary_key_not_by_reading_every_row() {
+    let pool = common::database().await;
     finished_one_at_a_time_and_one_pending(&pool, 300).await;
     let claim = explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", "'default', 100, 60000, 1000").await;
     assert_claim_reads_its_indexes(claim);

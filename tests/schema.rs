@@ -18,8 +18,9 @@ async fn insert_error(pool: &PgPool, sql: &'static str) -> String {
     }
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_plain_insert_of_kind_and_payload_is_a_complete_enqueue(pool: PgPool) {
+#[tokio::test]
+async fn a_plain_insert_of_kind_and_payload_is_a_complete_enqueue() {
+    let pool = common::database().await;
     sqlx::query(r#"INSERT INTO rowq.jobs (kind, payload) VALUES ('resize_image', '{"key":"a.png"}')"#)
         .execute(&pool)
         .await
@@ -35,8 +36,9 @@ async fn a_plain_insert_of_kind_and_payload_is_a_complete_enqueue(pool: PgPool) 
     assert_eq!(row.payload, json!({"key": "a.png"}));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn bad_rows_are_refused_by_the_database_with_a_constraint_that_says_why(pool: PgPool) {
+#[tokio::test]
+async fn bad_rows_are_refused_by_the_database_with_a_constraint_that_says_why() {
+    let pool = common::database().await;
     let cases: [(&'static str, &str); 10] = [
         ("INSERT INTO rowq.jobs (kind) VALUES ('')", "jobs_kind_is_a_nonempty_identifier"),
         ("INSERT INTO rowq.jobs (kind) VALUES ('x''; DROP TABLE rowq.jobs; --')", "jobs_kind_is_a_nonempty_identifier"),
@@ -68,8 +70,9 @@ async fn bad_rows_are_refused_by_the_database_with_a_constraint_that_says_why(po
     assert_eq!(rows, 0);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_second_enqueue_with_the_same_dedup_key_is_a_no_op_until_the_first_finishes(pool: PgPool) {
+#[tokio::test]
+async fn a_second_enqueue_with_the_same_dedup_key_is_a_no_op_until_the_first_finishes() {
+    let pool = common::database().await;
     let insert =
         "INSERT INTO rowq.jobs (kind, dedup_key) VALUES ('noop', 'invoice-7') ON CONFLICT DO NOTHING RETURNING id";
     let first: Option<i64> = sqlx::query_scalar(insert).fetch_optional(&pool).await.unwrap();
@@ -84,8 +87,9 @@ async fn a_second_enqueue_with_the_same_dedup_key_is_a_no_op_until_the_first_fin
     assert_ne!(third, first);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn concurrent_enqueues_with_one_dedup_key_insert_exactly_one_row(pool: PgPool) {
+#[tokio::test]
+async fn concurrent_enqueues_with_one_dedup_key_insert_exactly_one_row() {
+    let pool = common::database().await;
     let attempts = (0..16).map(|_| {
         let pool = pool.clone();
         async move {
@@ -99,8 +103,9 @@ async fn concurrent_enqueues_with_one_dedup_key_insert_exactly_one_row(pool: PgP
     assert_eq!(rows, 1);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn an_enqueue_inside_the_callers_transaction_vanishes_with_its_rollback(pool: PgPool) {
+#[tokio::test]
+async fn an_enqueue_inside_the_callers_transaction_vanishes_with_its_rollback() {
+    let pool = common::database().await;
     let mut tx = pool.begin().await.unwrap();
     admin::enqueue(&mut *tx, &admin::NewJob::new("noop", json!({}))).await.unwrap();
     tx.rollback().await.unwrap();
@@ -108,8 +113,9 @@ async fn an_enqueue_inside_the_callers_transaction_vanishes_with_its_rollback(po
     assert_eq!(rows, 0);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn one_insert_statement_sends_one_notification_however_many_rows(pool: PgPool) {
+#[tokio::test]
+async fn one_insert_statement_sends_one_notification_however_many_rows() {
+    let pool = common::database().await;
     let mut listener = PgListener::connect_with(&pool).await.unwrap();
     listener.listen(store::NOTIFY_CHANNEL).await.unwrap();
     common::enqueue_many(&pool, "noop", 500).await;
@@ -121,14 +127,16 @@ async fn one_insert_statement_sends_one_notification_however_many_rows(pool: PgP
     assert_eq!(received, 2, "expected one NOTIFY per INSERT statement");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn migrations_apply_twice_without_change(pool: PgPool) {
+#[tokio::test]
+async fn migrations_apply_twice_without_change() {
+    let pool = common::database().await;
     store::migrate(&pool).await.unwrap();
     store::migrate(&pool).await.unwrap();
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn row_updates_evaluate_no_costly_check_and_writes_still_do(pool: PgPool) {
+#[tokio::test]
+async fn row_updates_evaluate_no_costly_check_and_writes_still_do() {
+    let pool = common::database().await;
     // Postgres evaluates every table CHECK on every UPDATE; rowq updates each job three times.
     // The costly rules (regular expressions, the payload's serialised size) must be domain
     // constraints, which run only when a value is written.
@@ -157,4 +165,43 @@ async fn row_updates_evaluate_no_costly_check_and_writes_still_do(pool: PgPool) 
     // ...while a write of the column is checked.
     let error = sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('legacy-two')").execute(&pool).await.unwrap_err();
     assert!(error.to_string().contains("no_legacy_kinds"), "{error}");
+}
+
+/// `store::MIGRATOR` lists the migrations by hand: it must be what the directory holds, as
+/// `sqlx::migrate!` would have read it, or a new file would never run.
+#[tokio::test]
+async fn the_embedded_migrations_are_the_files_of_the_migrations_directory() {
+    let directory = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let read = sqlx::migrate::Migrator::new(directory.as_path()).await.unwrap();
+    let summary = |migrator: &sqlx::migrate::Migrator| -> Vec<_> {
+        migrator
+            .iter()
+            .map(|m| (m.version, m.description.to_string(), m.migration_type, m.checksum.to_vec(), m.no_tx))
+            .collect()
+    };
+    assert_eq!(read.iter().count(), 2, "the directory has the migrations the list is checked against");
+    assert_eq!(summary(&store::MIGRATOR), summary(&read));
+}
+
+/// `JobState`'s encoding is written by hand (`store::types`): every state is a label of
+/// `rowq.job_state`, each label a state, alone and in arrays.
+#[tokio::test]
+async fn every_job_state_is_a_label_of_the_postgres_enum_and_back() {
+    let pool = common::database().await;
+    let labels: Vec<JobState> =
+        sqlx::query_scalar("SELECT unnest(enum_range(NULL::rowq.job_state))").fetch_all(&pool).await.unwrap();
+    assert_eq!(labels, JobState::ALL);
+    for state in JobState::ALL {
+        let back: JobState = sqlx::query_scalar("SELECT $1").bind(state).fetch_one(&pool).await.unwrap();
+        assert_eq!(back, state);
+    }
+    let back: Vec<JobState> =
+        sqlx::query_scalar("SELECT $1::rowq.job_state[]").bind(JobState::ALL.to_vec()).fetch_one(&pool).await.unwrap();
+    assert_eq!(back, JobState::ALL);
+    let ids: Vec<rowq::JobId> = sqlx::query_scalar("SELECT $1::bigint[]")
+        .bind(vec![rowq::JobId(1), rowq::JobId(2)])
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids, [rowq::JobId(1), rowq::JobId(2)]);
 }

@@ -107,8 +107,9 @@ async fn with_each_stalled_outcome(pool: &PgPool, check: impl AsyncFn(&PgPool, O
     }
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_job_runs_once_and_its_result_and_its_writes_commit_together(pool: PgPool) {
+#[tokio::test]
+async fn a_job_runs_once_and_its_result_and_its_writes_commit_together() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let id = common::enqueue(&pool, "effect", json!({})).await;
     let echo = common::enqueue(&pool, "echo", json!({"hello": "world"})).await;
@@ -120,8 +121,9 @@ async fn a_job_runs_once_and_its_result_and_its_writes_commit_together(pool: PgP
     assert_eq!(common::job(&pool, echo).await.result, Some(json!({"hello": "world"})));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_message_delivered_twice_in_one_batch_or_in_two_runs_the_job_once(pool: PgPool) {
+#[tokio::test]
+async fn a_message_delivered_twice_in_one_batch_or_in_two_runs_the_job_once() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let worker = worker(&pool);
     let id = common::enqueue(&pool, "effect", json!({})).await;
@@ -136,8 +138,9 @@ async fn a_message_delivered_twice_in_one_batch_or_in_two_runs_the_job_once(pool
     assert_eq!(effects_of(&pool, id).await, 1);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_stale_generation_arriving_after_a_rescue_is_acknowledged_without_running(pool: PgPool) {
+#[tokio::test]
+async fn a_stale_generation_arriving_after_a_rescue_is_acknowledged_without_running() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let worker = worker(&pool);
     let id = common::enqueue(&pool, "effect", json!({})).await;
@@ -158,8 +161,9 @@ async fn a_stale_generation_arriving_after_a_rescue_is_acknowledged_without_runn
     assert_eq!(effects_of(&pool, id).await, 1);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_cancelled_job_whose_message_arrives_does_not_run(pool: PgPool) {
+#[tokio::test]
+async fn a_cancelled_job_whose_message_arrives_does_not_run() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     assert!(admin::cancel(&pool, id).await.unwrap().is_some());
@@ -169,8 +173,9 @@ async fn a_cancelled_job_whose_message_arrives_does_not_run(pool: PgPool) {
     assert_eq!((row.state, row.attempts), (JobState::Cancelled, 0));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn job_errors_retry_with_backoff_then_succeed_and_fail_when_attempts_run_out(pool: PgPool) {
+#[tokio::test]
+async fn job_errors_retry_with_backoff_then_succeed_and_fail_when_attempts_run_out() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let worker = worker(&pool);
     let flaky = common::enqueue(&pool, "fail", json!({"times": 2})).await;
@@ -217,8 +222,9 @@ async fn job_errors_retry_with_backoff_then_succeed_and_fail_when_attempts_run_o
     assert_eq!((row.state, row.attempts), (JobState::Failed, 1), "a permanent error must not retry");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn unknown_kinds_and_payloads_that_do_not_fit_fail_with_a_clear_error(pool: PgPool) {
+#[tokio::test]
+async fn unknown_kinds_and_payloads_that_do_not_fit_fail_with_a_clear_error() {
+    let pool = common::database().await;
     let worker = worker(&pool);
     let unknown = common::enqueue(&pool, "resize_image", json!({})).await;
     let bad_payload = common::enqueue(&pool, "sleep", json!({"ms": "soon"})).await;
@@ -241,8 +247,9 @@ async fn unknown_kinds_and_payloads_that_do_not_fit_fail_with_a_clear_error(pool
 }
 
 /// Postgres stores no NUL character in `text` or `jsonb`; Rust strings and JSON may hold one.
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn results_and_errors_postgres_cannot_store_are_cleaned_without_failing_the_batch(pool: PgPool) {
+#[tokio::test]
+async fn results_and_errors_postgres_cannot_store_are_cleaned_without_failing_the_batch() {
+    let pool = common::database().await;
     let registry = Registry::builtin().register("nul", |_: JobContext, input: serde_json::Value| async move {
         match input["fail"].as_bool() {
             Some(true) => Err(rowq::JobError::permanent(format!("bad\0byte {}", "x".repeat(100_000)))),
@@ -268,8 +275,9 @@ async fn results_and_errors_postgres_cannot_store_are_cleaned_without_failing_th
     assert!(error.ends_with(&format!("({cut} of 100011 bytes cut)")), "{}", &error[error.len() - 40..]);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_handler_that_exceeds_its_timeout_is_stopped_and_recorded_as_a_timed_out_attempt(pool: PgPool) {
+#[tokio::test]
+async fn a_handler_that_exceeds_its_timeout_is_stopped_and_recorded_as_a_timed_out_attempt() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "slow", json!({})).await;
     let started = Instant::now();
     dispatch_and_run(&pool, &worker(&pool)).await;
@@ -279,8 +287,9 @@ async fn a_handler_that_exceeds_its_timeout_is_stopped_and_recorded_as_a_timed_o
     assert_eq!(row.last_error.as_deref(), Some("timed out after 200 ms"));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_panicking_handler_is_a_failed_attempt_not_a_crashed_batch(pool: PgPool) {
+#[tokio::test]
+async fn a_panicking_handler_is_a_failed_attempt_not_a_crashed_batch() {
+    let pool = common::database().await;
     let registry = Registry::new().register("panics", |_: JobContext, _: serde_json::Value| async {
         if true {
             panic!("index out of bounds");
@@ -295,8 +304,9 @@ async fn a_panicking_handler_is_a_failed_attempt_not_a_crashed_batch(pool: PgPoo
     assert_eq!(row.last_error.as_deref(), Some("handler panicked: index out of bounds"));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn malformed_messages_are_acknowledged_and_the_rest_of_the_batch_runs(pool: PgPool) {
+#[tokio::test]
+async fn malformed_messages_are_acknowledged_and_the_rest_of_the_batch_runs() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let huge = format!(r#"{{"v":1,"job_id":1,"dispatch_gen":1,"pad":"{}"}}"#, "x".repeat(200_000));
@@ -315,8 +325,9 @@ async fn malformed_messages_are_acknowledged_and_the_rest_of_the_batch_runs(pool
     assert_eq!(common::job(&pool, id).await.state, JobState::Succeeded);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_worker_killed_mid_job_is_taken_over_by_the_redelivered_message_and_the_job_finishes_once(pool: PgPool) {
+#[tokio::test]
+async fn a_worker_killed_mid_job_is_taken_over_by_the_redelivered_message_and_the_job_finishes_once() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let id = common::enqueue(&pool, "effect", json!({})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
@@ -352,8 +363,9 @@ async fn a_worker_killed_mid_job_is_taken_over_by_the_redelivered_message_and_th
     assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!(2))));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_taken_over_execution_cannot_commit_its_writes(pool: PgPool) {
+#[tokio::test]
+async fn a_taken_over_execution_cannot_commit_its_writes() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let id = common::enqueue(&pool, "effect", json!({"sleep_ms": 600})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
@@ -384,8 +396,9 @@ async fn a_taken_over_execution_cannot_commit_its_writes(pool: PgPool) {
     assert_eq!(attempts, vec![2], "the superseded execution's writes committed");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_job_whose_worker_died_is_rescued_by_maintenance_and_runs_again(pool: PgPool) {
+#[tokio::test]
+async fn a_job_whose_worker_died_is_rescued_by_maintenance_and_runs_again() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let id = admin::enqueue(&pool, &NewJob { max_attempts: Some(2), ..NewJob::new("effect", json!({})) })
         .await
@@ -420,8 +433,9 @@ async fn a_job_whose_worker_died_is_rescued_by_maintenance_and_runs_again(pool: 
     assert_eq!(common::job(&pool, last).await.state, JobState::Failed);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn an_unreachable_database_fails_every_record_so_sqs_redelivers(pool: PgPool) {
+#[tokio::test]
+async fn an_unreachable_database_fails_every_record_so_sqs_redelivers() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let mut config = common::worker_config();
@@ -441,8 +455,9 @@ async fn an_unreachable_database_fails_every_record_so_sqs_redelivers(pool: PgPo
     assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched, "nothing changed");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn records_of_a_group_run_in_order_and_a_failure_fails_the_rest_of_that_group_only(pool: PgPool) {
+#[tokio::test]
+async fn records_of_a_group_run_in_order_and_a_failure_fails_the_rest_of_that_group_only() {
+    let pool = common::database().await;
     let order: Arc<Mutex<Vec<i64>>> = Arc::default();
     let log = order.clone();
     let registry = Registry::new()
@@ -489,8 +504,9 @@ async fn records_of_a_group_run_in_order_and_a_failure_fails_the_rest_of_that_gr
     assert_eq!(common::job(&pool, ids[1]).await.state, JobState::Running, "g2's outcome was not recorded");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_aws_sample_sqs_event_and_a_fifo_event_get_valid_partial_batch_responses(pool: PgPool) {
+#[tokio::test]
+async fn the_aws_sample_sqs_event_and_a_fifo_event_get_valid_partial_batch_responses() {
+    let pool = common::database().await;
     let worker = worker(&pool);
     let sample: SqsEvent = serde_json::from_str(include_str!("fixtures/aws-example-sqs-event.json")).unwrap();
     let response = worker.handle_batch(sample, Instant::now() + Duration::from_secs(5)).await;
@@ -505,8 +521,9 @@ async fn the_aws_sample_sqs_event_and_a_fifo_event_get_valid_partial_batch_respo
     assert_eq!(common::job(&pool, id).await.result, Some(json!({"from": "fixture"})));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn an_invocation_without_time_left_hands_its_records_back(pool: PgPool) {
+#[tokio::test]
+async fn an_invocation_without_time_left_hands_its_records_back() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let response = worker(&pool).handle_batch(event(vec![record("m", "g", message(id, 1))]), Instant::now()).await;
@@ -514,8 +531,9 @@ async fn an_invocation_without_time_left_hands_its_records_back(pool: PgPool) {
     assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_stalled_worker_cannot_finish_a_job_that_was_rescued_or_dead_lettered_meanwhile(pool: PgPool) {
+#[tokio::test]
+async fn a_stalled_worker_cannot_finish_a_job_that_was_rescued_or_dead_lettered_meanwhile() {
+    let pool = common::database().await;
     // Rescue and dead-lettering change neither the generation nor the attempt: only the
     // state guard stops the stalled worker's outcome, in either finish statement.
     with_each_stalled_outcome(&pool, a_stalled_worker_cannot_finish_a_rescued_or_dead_lettered_job).await;
@@ -540,15 +558,12 @@ async fn a_stalled_worker_cannot_finish_a_rescued_or_dead_lettered_job(pool: &Pg
     assert_eq!(common::job(pool, dead).await.state, JobState::Failed);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_batch_of_transactional_jobs_larger_than_the_pool_still_runs_in_one_attempt_each(
-    _: sqlx::postgres::PgPoolOptions,
-    database: sqlx::postgres::PgConnectOptions,
-) {
+#[tokio::test]
+async fn a_batch_of_transactional_jobs_larger_than_the_pool_still_runs_in_one_attempt_each() {
     // A Lambda worker has a small pool (2) and gets batches of 10. Each job that writes
     // through its transaction holds a connection: it must give it back as soon as it is done,
     // not at the end of the batch, or the others wait out their timeout.
-    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(database).await.unwrap();
+    let pool = common::database_with(2).await;
     common::create_effects(&pool).await;
     let mut config = common::worker_config();
     config.job_timeout = Duration::from_secs(3);
@@ -566,8 +581,9 @@ async fn a_batch_of_transactional_jobs_larger_than_the_pool_still_runs_in_one_at
     assert!(attempts.iter().all(|a| *a == (JobState::Succeeded, 1)), "{attempts:?}");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_stalled_execution_cannot_finish_the_run_of_a_job_retried_by_hand_meanwhile(pool: PgPool) {
+#[tokio::test]
+async fn a_stalled_execution_cannot_finish_the_run_of_a_job_retried_by_hand_meanwhile() {
+    let pool = common::database().await;
     // A retry by hand resets `attempts`, so the new run's first execution has the same attempt
     // number as the stalled one: only the generation tells them apart, in either statement.
     with_each_stalled_outcome(&pool, a_stalled_execution_cannot_finish_a_rerun).await;
@@ -594,8 +610,9 @@ async fn a_stalled_execution_cannot_finish_a_rerun(pool: &PgPool, outcome: Outco
 /// `pending` with the generation before it, while its message is already out; recovery is
 /// replayed here by writing back exactly that row. Both orders in which the lost generation's
 /// message can meet the row run the job once.
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_claim_lost_in_a_crash_still_runs_its_job_once(pool: PgPool) {
+#[tokio::test]
+async fn a_claim_lost_in_a_crash_still_runs_its_job_once() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let worker = worker(&pool);
     let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), common::scheduler_config(MEMORY_URL));
@@ -669,8 +686,9 @@ async fn claimed_batches(pool: &PgPool, per_batch: usize) -> Vec<Vec<SqsMessage>
 
 /// `started_at` and `finished_at` are `now()` of the fence's and the finish's transactions:
 /// jobs fenced in one statement share one `started_at`.
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn batches_handled_at_once_by_one_worker_share_their_fence_and_finish_statements(pool: PgPool) {
+#[tokio::test]
+async fn batches_handled_at_once_by_one_worker_share_their_fence_and_finish_statements() {
+    let pool = common::database().await;
     common::enqueue_many(&pool, "noop", 80).await;
     let worker = worker(&pool);
     let batches = claimed_batches(&pool, 10).await;
@@ -687,8 +705,9 @@ async fn batches_handled_at_once_by_one_worker_share_their_fence_and_finish_stat
     assert!(fences <= 2 && finishes <= 2, "{fences} fences, {finishes} finishes for 8 batches");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_job_delivered_to_two_batches_handled_at_once_runs_once(pool: PgPool) {
+#[tokio::test]
+async fn a_job_delivered_to_two_batches_handled_at_once_runs_once() {
+    let pool = common::database().await;
     common::create_effects(&pool).await;
     let id = common::enqueue(&pool, "effect", json!({})).await;
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
@@ -704,8 +723,9 @@ async fn a_job_delivered_to_two_batches_handled_at_once_runs_once(pool: PgPool) 
     assert_eq!(effects_of(&pool, id).await, 1);
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_database_failure_under_a_shared_statement_fails_every_batch_in_it(pool: PgPool) {
+#[tokio::test]
+async fn a_database_failure_under_a_shared_statement_fails_every_batch_in_it() {
+    let pool = common::database().await;
     common::enqueue_many(&pool, "noop", 6).await;
     let batches = claimed_batches(&pool, 2).await;
     let mut config = common::worker_config();
@@ -721,8 +741,9 @@ async fn a_database_failure_under_a_shared_statement_fails_every_batch_in_it(poo
 
 /// A stale and a current message for one job, in batches combined into one fence: the rows
 /// find their request by position, so the job named twice is fenced in a second statement.
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_stale_and_a_current_request_for_one_job_in_one_statement_start_it_and_record_it(pool: PgPool) {
+#[tokio::test]
+async fn a_stale_and_a_current_request_for_one_job_in_one_statement_start_it_and_record_it() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     sqlx::query("UPDATE rowq.jobs SET state = 'pending' WHERE id = $1").bind(id).execute(&pool).await.unwrap();
@@ -744,8 +765,9 @@ async fn a_stale_and_a_current_request_for_one_job_in_one_statement_start_it_and
     assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!(2))));
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn an_execution_taken_over_while_it_stalled_cannot_finish_the_one_that_took_over(pool: PgPool) {
+#[tokio::test]
+async fn an_execution_taken_over_while_it_stalled_cannot_finish_the_one_that_took_over() {
+    let pool = common::database().await;
     // A take-over keeps the generation: only the attempt tells the two executions apart.
     for outcome in stalled_outcomes() {
         let id = common::enqueue(&pool, "noop", json!({})).await;
@@ -765,8 +787,9 @@ async fn an_execution_taken_over_while_it_stalled_cannot_finish_the_one_that_too
 /// The finish of one batch and the fence of the next, asked at once, go to Postgres as one
 /// statement (`finished_at` of the one is `started_at` of the other: `now()` of one
 /// transaction), and each keeps its guard there.
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_finish_and_a_fence_asked_at_once_share_one_statement_and_keep_their_guards(pool: PgPool) {
+#[tokio::test]
+async fn a_finish_and_a_fence_asked_at_once_share_one_statement_and_keep_their_guards() {
+    let pool = common::database().await;
     let [done, next, stalled, stale]: [JobId; 4] = common::enqueue_many(&pool, "noop", 4).await.try_into().unwrap();
     claim_due(&pool, "default", 4, Duration::from_secs(60)).await.unwrap();
     let request = |id, dispatch_gen, lease| StartRequest { id, dispatch_gen, lease };
@@ -810,8 +833,9 @@ async fn a_finish_and_a_fence_asked_at_once_share_one_statement_and_keep_their_g
 /// redelivered message takes it over) is asked in two statements: in one, the two `UPDATE`s
 /// would race for the row on one snapshot, and which of them took it would be Postgres's
 /// choice. Fenced first, the take-over wins and the stalled execution records nothing.
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_job_named_by_a_finish_and_a_fence_at_once_is_taken_over_in_two_statements(pool: PgPool) {
+#[tokio::test]
+async fn a_job_named_by_a_finish_and_a_fence_at_once_is_taken_over_in_two_statements() {
+    let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let request = |lease| StartRequest { id, dispatch_gen: 1, lease };
@@ -828,8 +852,9 @@ async fn a_job_named_by_a_finish_and_a_fence_at_once_is_taken_over_in_two_statem
 
 /// A stale and a current message for one job, fenced in the statement that finishes another
 /// job: the rows find their request by position, so that statement splits as `start` does.
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_stale_and_a_current_fence_for_one_job_beside_a_finish_start_it(pool: PgPool) {
+#[tokio::test]
+async fn a_stale_and_a_current_fence_for_one_job_beside_a_finish_start_it() {
+    let pool = common::database().await;
     let [finished, twice]: [JobId; 2] = common::enqueue_many(&pool, "noop", 2).await.try_into().unwrap();
     claim_due(&pool, "default", 2, Duration::from_secs(60)).await.unwrap();
     let request = |id, dispatch_gen| StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) };
@@ -871,8 +896,9 @@ async fn statement_on(kept: &Arc<KeptConnections>) -> i32 {
     pid
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gives_it_back(test: PgPool) {
+#[tokio::test]
+async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gives_it_back() {
+    let test = common::database().await;
     // A keep time long against a loaded machine's stalls: the checks within it must not race it.
     let (pool, kept) = kept_of_pool(&test, 3, Duration::from_secs(1)).await;
     let pid = statement_on(&kept).await;
@@ -890,8 +916,9 @@ async fn the_worker_keeps_its_connection_between_back_to_back_statements_then_gi
     .await;
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn the_worker_never_keeps_every_connection_of_its_pool(test: PgPool) {
+#[tokio::test]
+async fn the_worker_never_keeps_every_connection_of_its_pool() {
+    let test = common::database().await;
     // A job's own transaction takes a connection from the same pool while the worker's
     // statements run: a Lambda worker's pool of 2 keeps one free for it.
     let (pool, kept) = kept_of_pool(&test, 2, Duration::from_secs(60)).await;
@@ -907,8 +934,9 @@ async fn the_worker_never_keeps_every_connection_of_its_pool(test: PgPool) {
     assert!(kept.is_empty(), "a pool of one keeps nothing");
 }
 
-#[sqlx::test(migrator = "rowq::store::MIGRATOR")]
-async fn a_connection_kept_past_its_time_is_not_handed_out_even_if_its_release_has_not_run(test: PgPool) {
+#[tokio::test]
+async fn a_connection_kept_past_its_time_is_not_handed_out_even_if_its_release_has_not_run() {
+    let test = common::database().await;
     // A Lambda instance is frozen between invocations, timers included; the database or a
     // proxy may close an idle connection meanwhile. Here the server ends the kept connection's
     // session and the thread blocks past the keep time, so the release cannot run.

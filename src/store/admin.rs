@@ -4,10 +4,11 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgExecutor, PgPool};
 
+use super::types::from_row;
 use crate::job::{JobId, JobState};
 
 /// Every column of a row in `rowq.jobs`.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobRow {
     pub id: JobId,
     pub queue: String,
@@ -31,6 +32,30 @@ pub struct JobRow {
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
+
+from_row!(JobRow {
+    id,
+    queue,
+    kind,
+    payload,
+    state,
+    priority,
+    run_at,
+    attempts,
+    max_attempts,
+    group_key,
+    dedup_key,
+    dispatch_gen,
+    dispatch_deadline,
+    started_at,
+    run_deadline,
+    finished_at,
+    result,
+    last_error,
+    errors,
+    created_at,
+    updated_at
+});
 
 /// A job to enqueue; `None` fields take the table's defaults.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -159,12 +184,14 @@ pub async fn retry_all_failed(pool: &PgPool, queue: Option<&str>) -> Result<Vec<
 }
 
 /// Jobs of one queue in one state.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StateCount {
     pub queue: String,
     pub state: JobState,
     pub count: i64,
 }
+
+from_row!(StateCount { queue, state, count });
 
 /// The queue's health at a glance.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -6,10 +6,11 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgExecutor, PgPool};
 
 use super::millis;
+use super::types::from_row;
 use crate::job::JobId;
 
 /// A row the scheduler now owns for one dispatch generation.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claimed {
     pub id: JobId,
     pub dispatch_gen: i64,
@@ -17,6 +18,8 @@ pub struct Claimed {
     /// Part of the message's deduplication id (see [`crate::JobMessage::dedup_id`]).
     pub created_at: DateTime<Utc>,
 }
+
+from_row!(Claimed { id, dispatch_gen, group_key, created_at });
 
 /// `pending → dispatched` for up to `limit` due rows of `queue`: `dispatch_gen + 1`,
 /// `dispatch_deadline = now() + lease`. Returns them in claim order (priority, run_at, id).

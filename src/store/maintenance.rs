@@ -5,6 +5,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use super::millis;
+use super::types::from_row;
 use crate::job::{JobId, JobState};
 
 // Each statement below reaches its rows through `id = ANY (ARRAY(...))` of a locking subquery,
@@ -19,12 +20,14 @@ pub const RESCUE_BATCH: i64 = 1000;
 pub const PRUNE_BATCH: i64 = 5000;
 
 /// A row moved by a rescue, and where it went.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rescued {
     pub id: JobId,
     pub dispatch_gen: i64,
     pub state: JobState,
 }
+
+from_row!(Rescued { id, dispatch_gen, state });
 
 /// The statement of [`rescue_dispatched`] (public so that tests can `EXPLAIN` it).
 pub const RESCUE_DISPATCHED_SQL: &str = r#"

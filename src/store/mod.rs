@@ -14,16 +14,38 @@ pub mod dispatch;
 pub mod kept;
 pub mod maintenance;
 pub mod run;
+mod types;
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
+use sqlx::SqlStr;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};
 
 use crate::config::DatabaseConfig;
 
-/// The schema migrations, embedded in the binary.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// The schema migrations, embedded in the binary: what `sqlx::migrate!("./migrations")` would
+/// embed, listed by hand because that macro lives in sqlx's proc-macro crate (`types` says why
+/// rowq has none). A test checks this list against the directory.
+pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
+    Migrator::with_migrations(
+        MIGRATIONS
+            .iter()
+            .map(|&(version, description, sql)| {
+                Migration::new(version, description.into(), MigrationType::Simple, SqlStr::from_static(sql), false)
+            })
+            .collect(),
+    )
+});
+
+/// Version, description and SQL of each file of `migrations/`, named `<version>_<description>.sql`
+/// with the description's spaces written as underscores.
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (20261130000001, "jobs", include_str!("../../migrations/20261130000001_jobs.sql")),
+    (20261130000002, "checks on write", include_str!("../../migrations/20261130000002_checks_on_write.sql")),
+];
 
 /// The channel the insert trigger notifies (one notification per inserting statement).
 pub const NOTIFY_CHANNEL: &str = "rowq_jobs";

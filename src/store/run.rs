@@ -14,6 +14,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgExecutor, PgPool};
 
 use super::millis;
+use super::types::from_row;
 use crate::job::{JobId, JobState};
 
 /// One message's claim on a job: start this generation, with this timeout.
@@ -26,12 +27,11 @@ pub struct StartRequest {
 }
 
 /// A job this worker now runs, exclusively, as execution `(id, dispatch_gen, attempt)`.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Started {
     pub id: JobId,
     pub dispatch_gen: i64,
     /// This execution's number, 1-based (`attempts` after the fence).
-    #[sqlx(rename = "attempts")]
     pub attempt: i32,
     pub max_attempts: i32,
     pub kind: String,
@@ -39,6 +39,8 @@ pub struct Started {
     pub group_key: Option<String>,
     pub run_deadline: DateTime<Utc>,
 }
+
+from_row!(Started { id, dispatch_gen, attempt = "attempts", max_attempts, kind, payload, group_key, run_deadline });
 
 /// The fence statement of [`start`] (public so that tests can `EXPLAIN` it).
 pub const START_SQL: &str = r#"
@@ -152,13 +154,14 @@ pub enum Outcome {
 }
 
 /// An execution whose outcome [`finish`] recorded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::FromRow)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Finished {
     pub id: JobId,
     pub dispatch_gen: i64,
-    #[sqlx(rename = "attempts")]
     pub attempt: i32,
 }
+
+from_row!(Finished { id, dispatch_gen, attempt = "attempts" });
 
 /// One finished execution.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,5 +1,5 @@
-//! Factories and fixtures shared by the integration tests: real Postgres (`#[sqlx::test]`
-//! gives each test a fresh database) and LocalStack SQS (each test gets its own queues).
+//! Factories and fixtures shared by the integration tests: real Postgres (each test makes a
+//! fresh database, [`database`]) and LocalStack SQS (each test gets its own queues).
 #![allow(dead_code)] // each test binary uses its own subset
 
 use std::time::{Duration, Instant};
@@ -10,7 +10,9 @@ use rowq::config::{DatabaseConfig, SchedulerConfig, WorkerConfig};
 use rowq::sqs::{QueuePair, QueueSpec};
 use rowq::store::admin::{self, JobRow, NewJob};
 use rowq::{JobContext, JobError, JobId, JobState};
-use sqlx::PgPool;
+use sqlx::migrate::MigrateDatabase;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection, PgPool};
 
 pub const ENDPOINT_DEFAULT: &str = "http://127.0.0.1:4566";
 
@@ -161,6 +163,63 @@ pub fn database_url(name: &str) -> String {
     match query {
         Some(query) => format!("{root}/{name}?{query}"),
         None => format!("{root}/{name}"),
+    }
+}
+
+/// A fresh database with rowq's schema for the test that calls this, and a pool of 5 on it.
+#[track_caller]
+pub fn database() -> impl Future<Output = PgPool> {
+    database_with(5)
+}
+
+/// A fresh database with rowq's schema for the test that calls this, and a pool of
+/// `max_connections` on it.
+///
+/// It is named after the process and the calling line, so that no two tests share one, nor
+/// two runs at once. The first test of a process drops those of processes that are gone: a
+/// run leaves its databases, a failed test's to look at, until the next run starts.
+#[track_caller]
+pub fn database_with(max_connections: u32) -> impl Future<Output = PgPool> {
+    let caller = std::panic::Location::caller();
+    let file = std::path::Path::new(caller.file()).file_stem().and_then(|stem| stem.to_str()).unwrap_or("test");
+    let name = format!("{TEST_DATABASE_PREFIX}{}_{file}_{}", std::process::id(), caller.line());
+    async move {
+        LEFT_BY_GONE_RUNS_DROPPED.get_or_init(drop_databases_of_gone_runs).await;
+        let url = database_url(&name);
+        sqlx::Postgres::create_database(&url).await.unwrap_or_else(|e| panic!("create database {name}: {e}"));
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .idle_timeout(Duration::from_secs(1))
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {name}: {e}"));
+        rowq::store::migrate(&pool).await.expect("migrate the test database");
+        pool
+    }
+}
+
+/// `rowq_test_<pid>_<file>_<line>`.
+const TEST_DATABASE_PREFIX: &str = "rowq_test_";
+
+static LEFT_BY_GONE_RUNS_DROPPED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+/// Drops the test databases whose process no longer runs (Linux only: elsewhere, none).
+async fn drop_databases_of_gone_runs() {
+    let names: Vec<String> = {
+        let mut server = sqlx::PgConnection::connect(&database_config().url).await.expect("connect to DATABASE_URL");
+        sqlx::query_scalar("SELECT datname FROM pg_database WHERE starts_with(datname, $1)")
+            .bind(TEST_DATABASE_PREFIX)
+            .fetch_all(&mut server)
+            .await
+            .expect("list the test databases")
+    };
+    for name in names {
+        let pid = name[TEST_DATABASE_PREFIX.len()..].split('_').next().unwrap_or_default();
+        let gone = cfg!(target_os = "linux") && !std::path::Path::new("/proc").join(pid).exists();
+        if gone {
+            // Another process may be dropping it too: a failure here is only a leftover.
+            let _ = sqlx::Postgres::force_drop_database(&database_url(&name)).await;
+        }
     }
 }
 
