@@ -17,8 +17,9 @@ impl fmt::Display for JobId {
     }
 }
 
-/// Mirrors the Postgres enum `rowq.job_state`, whose labels are [`JobState::as_str`]. The arrows of the state machine are the
-/// functions of [`crate::store`]; each variant says who moves a job in and out.
+/// Mirrors the Postgres enum `rowq.job_state`, whose labels are [`JobState::as_str`]. The
+/// arrows of the state machine are the functions of [`crate::store`]; each variant says who
+/// moves a job in and out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
