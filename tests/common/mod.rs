@@ -176,8 +176,9 @@ pub fn database() -> impl Future<Output = PgPool> {
 /// `max_connections` on it.
 ///
 /// It is named after the process and the calling line, so that no two tests share one, nor
-/// two runs at once. The first test of a process drops those of processes that are gone: a
-/// run leaves its databases, a failed test's to look at, until the next run starts.
+/// two runs at once. It is dropped when the test's runtime ends, unless the test panicked: a
+/// failed test's database stays to look at until the next run, whose first test drops those of
+/// processes that are gone.
 #[track_caller]
 pub fn database_with(max_connections: u32) -> impl Future<Output = PgPool> {
     let caller = std::panic::Location::caller();
@@ -194,7 +195,34 @@ pub fn database_with(max_connections: u32) -> impl Future<Output = PgPool> {
             .await
             .unwrap_or_else(|e| panic!("connect to {name}: {e}"));
         rowq::store::migrate(&pool).await.expect("migrate the test database");
+        // A task lives as long as the test's runtime; dropping it drops the database.
+        let dropped_with_the_runtime = DropDatabase(url);
+        tokio::spawn(async move {
+            let _database = dropped_with_the_runtime;
+            std::future::pending::<()>().await
+        });
         pool
+    }
+}
+
+/// Drops the database at this URL when dropped, unless the thread is panicking.
+struct DropDatabase(String);
+
+impl Drop for DropDatabase {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        // The test's runtime is shutting down: the drop runs on a runtime of its own.
+        let url = std::mem::take(&mut self.0);
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            runtime.block_on(sqlx::Postgres::force_drop_database(&url)).map_err(std::io::Error::other)
+        })
+        .join();
+        if let Ok(Err(error)) = dropped {
+            eprintln!("could not drop a test database (the next run will): {error}");
+        }
     }
 }
 
