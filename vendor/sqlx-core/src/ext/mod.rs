@@ -1,0 +1,4 @@
+pub mod ustr;
+
+#[macro_use]
+pub mod async_stream;

@@ -1,0 +1,4 @@
+mod socket;
+
+mod timeout;
+pub use timeout::*;
