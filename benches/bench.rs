@@ -5,8 +5,9 @@
 //! Settings: BENCH_N (backlog, 20000), BENCH_C (connections / pollers, 8), BENCH_LATENCY_N
 //! (1000), BENCH_RATE (inserts per second for latency, 100), BENCH_PAIRS (how many times each
 //! in-memory workload runs alternating with its floor, 3), BENCH_ONLY (comma-separated workloads:
-//! enqueue, sql-floor, dispatch-memory, drain-memory, latency-floor, latency-memory,
-//! raw-localstack, dispatch-localstack, drain-localstack, latency-localstack; default all).
+//! enqueue, sql-floor, dispatch-memory, drain-memory, drain-memory-results, latency-floor,
+//! latency-memory, raw-localstack, dispatch-localstack, drain-localstack, latency-localstack;
+//! default all).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -32,11 +33,12 @@ use tokio::sync::watch;
 type Error = Box<dyn std::error::Error>;
 
 /// Every workload, in the order a full run takes them.
-const WORKLOADS: [&str; 10] = [
+const WORKLOADS: [&str; 11] = [
     "enqueue",
     "sql-floor",
     "dispatch-memory",
     "drain-memory",
+    "drain-memory-results",
     "latency-floor",
     "latency-memory",
     "raw-localstack",
@@ -186,7 +188,8 @@ async fn workload_run(name: &str, settings: &Settings) -> Result<Value, Error> {
         "enqueue" => enqueue(settings).await,
         "sql-floor" => sql_floor(settings).await,
         "dispatch-memory" => dispatch_memory(settings).await,
-        "drain-memory" => drain_memory(settings).await,
+        "drain-memory" => drain_memory(settings, 0).await,
+        "drain-memory-results" => drain_memory(settings, RESULT_BYTES).await,
         "latency-floor" => latency_floor(settings).await,
         "latency-memory" => latency_memory(settings).await,
         "raw-localstack" => raw_localstack(settings).await,
@@ -224,8 +227,31 @@ async fn drop_queues(client: &aws_sdk_sqs::Client, queues: &rowq::sqs::QueuePair
     }
 }
 
+/// The size of each job's result in `drain-memory-results`: a few hundred bytes, as a real
+/// handler returns, so that a combined finish of 80 jobs spans several TCP segments (no-op jobs
+/// send too little per statement to show a stall on that: vendor/README.md).
+const RESULT_BYTES: usize = 400;
+
+/// `n` due no-op jobs.
 async fn backlog(pool: &PgPool, n: i64) -> Result<(), Error> {
-    sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'noop' FROM generate_series(1, $1)").bind(n).execute(pool).await?;
+    backlog_of(pool, n, 0).await
+}
+
+/// `n` due jobs: no-op ones, or with `result_bytes` > 0 `echo` jobs whose payload, and so their
+/// result, is an object holding a string of that many bytes.
+async fn backlog_of(pool: &PgPool, n: i64, result_bytes: usize) -> Result<(), Error> {
+    if result_bytes == 0 {
+        sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'noop' FROM generate_series(1, $1)")
+            .bind(n)
+            .execute(pool)
+            .await?;
+    } else {
+        sqlx::query("INSERT INTO rowq.jobs (kind, payload) SELECT 'echo', jsonb_build_object('pad', repeat('x', $2)) FROM generate_series(1, $1)")
+            .bind(n)
+            .bind(i32::try_from(result_bytes)?)
+            .execute(pool)
+            .await?;
+    }
     sqlx::query("VACUUM ANALYZE rowq.jobs").execute(pool).await?;
     Ok(())
 }
@@ -566,9 +592,10 @@ async fn dispatch_memory(settings: &Settings) -> Result<Value, Error> {
     }))
 }
 
-async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
+/// The in-memory drain of no-op jobs, or of jobs returning `result_bytes` each.
+async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value, Error> {
     let (pool, url) = database(settings, "drain_mem").await?;
-    backlog(&pool, settings.n).await?;
+    backlog_of(&pool, settings.n, result_bytes).await?;
     let scheduler = Arc::new(
         scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
     );
@@ -594,7 +621,8 @@ async fn drain_memory(settings: &Settings) -> Result<Value, Error> {
     }
     drop_database(pool, &url).await;
     Ok(json!({
-        "workload": "drain", "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c,
+        "workload": if result_bytes == 0 { "drain" } else { "drain-results" }, "result_bytes": result_bytes,
+        "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c,
         "cpu_us_per_job": cpu_us, "client_cpu_us_per_job": client_cpu_us,
         "client_allocations_per_job": allocations, "client_allocated_bytes_per_job": allocated_bytes,
         "mean_batch": (settings.n as f64 / progress.batches.load(Ordering::Relaxed).max(1) as f64 * 10.0).round() / 10.0,
@@ -868,6 +896,7 @@ fn report(results: &[Value]) {
     let lat_floor = find(latency_floor, "p50_ms");
     let raw = find(raw_localstack, "messages_per_s");
     let drain_mem = find(drain_memory, "jobs_per_s");
+    let drain_results = find(Of("drain-results", Some("memory")), "jobs_per_s");
     let drain_ls = find(drain_localstack, "jobs_per_s");
     let lat_mem = find(latency_memory, "p50_ms");
     let lat_ls = find(Of("latency", Some("localstack")), "p50_ms");
@@ -895,6 +924,10 @@ fn report(results: &[Value]) {
             f(&drain_mem, "client_allocations_per_job"),
             f(&drain_mem, "client_allocated_bytes_per_job") / 1000.0
         ),
+    );
+    line(
+        &format!("drain, in-memory, {RESULT_BYTES}-byte results"),
+        format!("{:.0} jobs/s", f(&drain_results, "jobs_per_s")),
     );
     line("drain, LocalStack", format!("{:.0} jobs/s", f(&drain_ls, "jobs_per_s")));
     line("raw LocalStack send+receive+delete", format!("{:.0} msg/s", f(&raw, "messages_per_s")));
