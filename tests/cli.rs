@@ -10,14 +10,9 @@ use rowq::{Registry, Worker};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-/// The URL of the test's own database.
-fn database_url(pool: &PgPool) -> String {
-    common::database_url(pool.connect_options().get_database().unwrap_or("test"))
-}
-
 fn rowq(pool: &PgPool, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_rowq"))
-        .args(["--database-url", &database_url(pool)])
+        .args(["--database-url", &common::url_of(pool)])
         .args(args)
         .env("AWS_ENDPOINT_URL", common::endpoint())
         .env("AWS_REGION", "us-east-1")

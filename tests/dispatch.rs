@@ -600,7 +600,7 @@ async fn one_statement_claims_and_tells_when_the_next_delayed_job_is_due() {
 async fn the_scheduler_plans_its_statements_once_per_connection() {
     let pool = common::database().await;
     common::enqueue_many(&pool, "noop", 20).await;
-    let own = rowq::store::connect_scheduler(&common::own_database_config(&pool, 1).await).await.unwrap();
+    let own = rowq::store::connect_scheduler(&common::own_database_config(&pool, 1)).await.unwrap();
     for _ in 0..8 {
         rowq::store::dispatch::claim_due_within(&own, "default", 1, 1000, Duration::from_secs(60)).await.unwrap();
     }
@@ -616,7 +616,7 @@ async fn the_scheduler_plans_its_statements_once_per_connection() {
 #[tokio::test]
 async fn a_connection_that_died_while_idle_is_replaced_before_use() {
     let pool = common::database().await;
-    let own = rowq::store::connect(&common::own_database_config(&pool, 1).await).await.unwrap();
+    let own = rowq::store::connect(&common::own_database_config(&pool, 1)).await.unwrap();
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&own).await.unwrap();
     sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
     tokio::time::sleep(rowq::store::IDLE_BEFORE_PING + Duration::from_millis(200)).await;
@@ -739,7 +739,7 @@ async fn after_a_failed_send_the_scheduler_claims_no_more_until_it_has_backed_of
 async fn the_scheduler_sessions_plan_no_sequential_scan_of_the_table() {
     let pool = common::database().await;
     // tests/plans.rs checks the plans under these settings; this checks the sessions get them.
-    let own = rowq::store::connect_scheduler(&common::own_database_config(&pool, 1).await).await.unwrap();
+    let own = rowq::store::connect_scheduler(&common::own_database_config(&pool, 1)).await.unwrap();
     let setting: String = sqlx::query_scalar("SHOW enable_seqscan").fetch_one(&own).await.unwrap();
     assert_eq!(setting, "off");
     let mut listener = sqlx::postgres::PgListener::connect_with(&own).await.unwrap();

@@ -961,7 +961,7 @@ async fn a_connection_kept_past_its_time_is_not_handed_out_even_if_its_release_h
 #[tokio::test]
 async fn the_connections_to_postgres_send_without_nagles_delay() {
     let test = common::database().await;
-    let pool = rowq::store::connect(&common::own_database_config(&test, 3).await).await.unwrap();
+    let pool = rowq::store::connect(&common::own_database_config(&test, 3)).await.unwrap();
     let mut held = Vec::new();
     for _ in 0..3 {
         held.push(pool.acquire().await.unwrap());

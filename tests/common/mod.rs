@@ -252,9 +252,13 @@ async fn drop_databases_of_gone_runs() {
 }
 
 /// Settings that open a pool of rowq's own (`rowq::store::connect*`) on the test's database.
-pub async fn own_database_config(pool: &PgPool, pool_size: u32) -> DatabaseConfig {
-    let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
-    DatabaseConfig { url: database_url(&name), pool_size, secret_arn: None }
+pub fn own_database_config(pool: &PgPool, pool_size: u32) -> DatabaseConfig {
+    DatabaseConfig { url: url_of(pool), pool_size, secret_arn: None }
+}
+
+/// The URL of the database `pool` is on, for a process of rowq's own to open.
+pub fn url_of(pool: &PgPool) -> String {
+    database_url(pool.connect_options().get_database().expect("a test pool names its database"))
 }
 
 /// Enqueues one job with defaults; panics if refused.
