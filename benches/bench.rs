@@ -240,18 +240,16 @@ async fn backlog(pool: &PgPool, n: i64) -> Result<(), Error> {
 /// `n` due jobs: no-op ones, or with `result_bytes` > 0 `echo` jobs whose payload, and so their
 /// result, is an object holding a string of that many bytes.
 async fn backlog_of(pool: &PgPool, n: i64, result_bytes: usize) -> Result<(), Error> {
-    if result_bytes == 0 {
-        sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'noop' FROM generate_series(1, $1)")
-            .bind(n)
-            .execute(pool)
-            .await?;
-    } else {
-        sqlx::query("INSERT INTO rowq.jobs (kind, payload) SELECT 'echo', jsonb_build_object('pad', repeat('x', $2)) FROM generate_series(1, $1)")
-            .bind(n)
-            .bind(i32::try_from(result_bytes)?)
-            .execute(pool)
-            .await?;
-    }
+    let (kind, payload) = match result_bytes {
+        0 => ("noop", json!({})),
+        bytes => ("echo", json!({ "pad": "x".repeat(bytes) })),
+    };
+    sqlx::query("INSERT INTO rowq.jobs (kind, payload) SELECT $2, $3 FROM generate_series(1, $1)")
+        .bind(n)
+        .bind(kind)
+        .bind(payload)
+        .execute(pool)
+        .await?;
     sqlx::query("VACUUM ANALYZE rowq.jobs").execute(pool).await?;
     Ok(())
 }
