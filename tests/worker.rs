@@ -977,36 +977,15 @@ fn postgres_sockets(port: u16) -> Vec<(i32, bool)> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
         let Ok(fd) = entry.unwrap().file_name().to_string_lossy().parse::<i32>() else { continue };
-        let mut peer: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-        let mut length = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        // SAFETY: `peer` and `length` are valid for writes of the sizes given.
-        let named = unsafe { libc::getpeername(fd, (&raw mut peer).cast(), &mut length) };
-        if named != 0 {
-            continue; // not a connected socket
+        // SAFETY: the descriptor is open (listed just now) and only borrowed for these calls.
+        let descriptor = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let socket = socket2::SockRef::from(&descriptor);
+        let peer = socket.peer_addr().ok().and_then(|address| address.as_socket());
+        if peer.map(|address| address.port()) != Some(port) {
+            continue; // not a socket connected to the server
         }
-        let peer_port = match i32::from(peer.ss_family) {
-            libc::AF_INET => {
-                // SAFETY: the family says the storage holds a `sockaddr_in`.
-                let address: libc::sockaddr_in = unsafe { std::ptr::read((&raw const peer).cast()) };
-                u16::from_be(address.sin_port)
-            }
-            libc::AF_INET6 => {
-                // SAFETY: the family says the storage holds a `sockaddr_in6`.
-                let address: libc::sockaddr_in6 = unsafe { std::ptr::read((&raw const peer).cast()) };
-                u16::from_be(address.sin6_port)
-            }
-            _ => continue,
-        };
-        if peer_port != port {
-            continue;
-        }
-        let mut nodelay: libc::c_int = 0;
-        let mut size = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: `nodelay` and `size` are valid for writes of the sizes given.
-        let read =
-            unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, (&raw mut nodelay).cast(), &mut size) };
-        assert_eq!(read, 0, "getsockopt(TCP_NODELAY) on fd {fd}");
-        found.push((fd, nodelay != 0));
+        let nodelay = socket.tcp_nodelay().unwrap_or_else(|e| panic!("TCP_NODELAY of fd {fd}: {e}"));
+        found.push((fd, nodelay));
     }
     found
 }
