@@ -7,11 +7,11 @@
 //! statements of its own: two statements, each with a synchronous commit, per ten jobs, which
 //! made the statements' fixed cost, not the rows, most of Postgres's work in a drain. A
 //! [`Combiner`] runs at most [`STATEMENTS_IN_FLIGHT`] statements at a time; what arrives while
-//! they run waits and then goes in the next one, whole. Before a statement leaves, the batches
-//! that are about to ask (answered by the statement before, and already running) get a few
-//! turns to join it ([`GATHER_TURNS`]). An idle process waits for nothing it could notice: a
-//! request that finds a free slot is sent within microseconds. A Lambda instance handles one
-//! batch at a time, so there each statement is its own batch's, as before.
+//! they run waits and then goes in the next one, whole. Before a statement leaves a busy
+//! combiner, the batches that are about to ask (answered by the statement before, and already
+//! running) get a few turns to join it ([`GATHER_TURNS`]). An idle one waits for nothing: a
+//! request that finds it idle is sent at once. A Lambda instance handles one batch at a time,
+//! so there each statement is its own batch's, as before.
 //!
 //! Requests with the same key (the same job generation delivered to two concurrent batches)
 //! are sent once; the answer goes to the first asker, and the other sees its request
@@ -24,11 +24,13 @@ use std::future::Future;
 use std::hash::Hash;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 
 /// How many combined statements run at once. One keeps a whole backlog's batches
 /// queuing behind a single statement; two lets Postgres work on one while the answer of the
@@ -47,9 +49,21 @@ pub const MAX_REQUESTS: usize = 100;
 /// microseconds and waited for a whole statement more. With 8 pollers a statement held 26
 /// requests instead of ~40, and each extra statement is a synchronous commit: worker statements
 /// per 20,000 jobs ~1,550 → ~1,000, CPU per job −12% and throughput +12% on average over nine
-/// interleaved pairs (BENCHMARKS.md). A turn costs a microsecond or so when nothing else is
-/// ready, so an idle process still waits for nothing it can notice.
+/// interleaved pairs (BENCHMARKS.md).
+///
+/// The turns are taken only while the combiner is busy: a statement is in flight, or one was
+/// answered less than [`GATHER_WINDOW`] ago. A request that reaches an idle combiner — the
+/// fence of a job that arrived on a quiet queue — has no batch behind it to wait for, and each
+/// turn is a trip through the runtime's I/O driver, which let whatever else was ready run
+/// first: on the pickup path the three turns were ~0.08 ms of insert→start at p50 (in-memory
+/// latency / floor p50 1.51–1.54 with them, 1.38–1.48 without, four interleaved runs of three
+/// pairs each, BENCHMARKS.md).
 pub const GATHER_TURNS: usize = 3;
+
+/// How long after a statement's answer the combiner still counts as busy. The batches that
+/// answer wakes come back within microseconds when their handlers are fast; a request later
+/// than this came from a batch the combiner did not just answer.
+pub const GATHER_WINDOW: Duration = Duration::from_millis(1);
 
 /// What a statement returns to each of its batches: the answers to that batch's requests, or
 /// the statement's error.
@@ -105,15 +119,17 @@ async fn run<Q, R, K, F, Fut>(
 {
     let mut in_flight = FuturesUnordered::new();
     let mut waiting: Option<Entry<Q, R>> = None;
+    let mut last_answer: Option<Instant> = None;
     loop {
         tokio::select! {
             biased;
-            Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+            Some(()) = in_flight.next(), if !in_flight.is_empty() => last_answer = Some(Instant::now()),
             entry = next_entry(&mut receiver, &mut waiting), if in_flight.len() < STATEMENTS_IN_FLIGHT => {
                 let Some(first) = entry else { break };
                 let mut entries = vec![first];
                 let mut requests = entries[0].requests.len();
-                let mut turns = GATHER_TURNS;
+                let busy = !in_flight.is_empty() || last_answer.is_some_and(|at| at.elapsed() < GATHER_WINDOW);
+                let mut turns = if busy { GATHER_TURNS } else { 0 };
                 while requests < MAX_REQUESTS {
                     match receiver.try_recv() {
                         Ok(entry) if requests + entry.requests.len() > MAX_REQUESTS => {
@@ -208,8 +224,6 @@ async fn answer<R, K: Eq + Hash>(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     type Sizes = Arc<std::sync::Mutex<Vec<usize>>>;
@@ -259,20 +273,37 @@ mod tests {
         assert_eq!(combiner.call(vec![8]).await.unwrap(), vec![8], "still serving after a panic");
     }
 
-    #[tokio::test]
-    async fn a_request_made_while_the_next_statement_is_gathered_goes_in_it() {
-        let sizes = Sizes::default();
-        let combiner = echo_counting(sizes.clone());
-        // The second caller is one turn late, as a batch is that was answered in the same
-        // instant as the combiner woke for the first: on this single-threaded runtime the
-        // combiner runs between the two.
+    /// Two callers, the second one turn late, as a batch is that was answered in the same
+    /// instant as the combiner woke for the first: on this single-threaded runtime the combiner
+    /// runs between the two.
+    async fn one_late(combiner: &Combiner<i32, i32>, first: i32, second: i32) {
         let late = async {
             tokio::task::yield_now().await;
-            combiner.call(vec![2]).await
+            combiner.call(vec![second]).await
         };
-        let (first, second) = tokio::join!(combiner.call(vec![1]), late);
-        assert_eq!((first.unwrap(), second.unwrap()), (vec![1], vec![2]));
-        assert_eq!(*sizes.lock().unwrap(), vec![2], "the late request waited for a statement of its own");
+        let answers = tokio::join!(combiner.call(vec![first]), late);
+        assert_eq!((answers.0.unwrap(), answers.1.unwrap()), (vec![first], vec![second]));
+    }
+
+    // The clock is paused: it moves only by the statements' sleeps and the tests' own.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_made_while_a_busy_combiner_gathers_the_next_statement_goes_in_it() {
+        let sizes = Sizes::default();
+        let combiner = echo_counting(sizes.clone());
+        combiner.call(vec![0]).await.unwrap(); // answered just now: the combiner is busy
+        one_late(&combiner, 1, 2).await;
+        assert_eq!(*sizes.lock().unwrap(), vec![1, 2], "the late request waited for a statement of its own");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_finds_the_combiner_idle_leaves_at_once() {
+        let sizes = Sizes::default();
+        let combiner = echo_counting(sizes.clone());
+        one_late(&combiner, 1, 2).await; // nothing answered yet
+        combiner.call(vec![3]).await.unwrap();
+        tokio::time::sleep(GATHER_WINDOW * 2).await; // answered, but no longer just now
+        one_late(&combiner, 4, 5).await;
+        assert_eq!(*sizes.lock().unwrap(), vec![1, 1, 1, 1, 1], "an idle combiner waited for a request");
     }
 
     #[tokio::test]
