@@ -31,13 +31,16 @@
 //! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
 //! - [`entry`]: what the Lambda binaries and the scheduler run, on a one-thread runtime, compiled
 //!   once here instead of in each binary.
+//! - [`cli`]: the `rowq` command line (`migrate`, `enqueue`, `status`, `dev`, `demo`, ...),
+//!   compiled here for the same reason.
 //! - [`config`]: one struct per binary, from the environment.
 //! - [`secret`]: the database URL from Secrets Manager at cold start.
 //! - [`telemetry`]: tracing set-up and field names.
 //!
 //! The binaries in `src/bin/` only wire these together: `scheduler`, `worker` and
-//! `dlq-handler` through [`entry`], and the `rowq` CLI.
+//! `dlq-handler` through [`entry`], `rowq` through [`cli`].
 
+pub mod cli;
 pub mod combine;
 pub mod config;
 pub mod dispatch;

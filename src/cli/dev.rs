@@ -2,12 +2,12 @@
 
 use anyhow::Context;
 use clap::Args;
-use rowq::config::{self, Env, EventSourceConfig, SchedulerConfig, WorkerConfig};
-use rowq::pipeline::{Pipeline, PipelineConfig};
-use rowq::{Registry, Worker, sqs, store, telemetry};
 use sqlx::PgPool;
 
-use crate::QueueArgs;
+use super::QueueArgs;
+use crate::config::{self, Env, EventSourceConfig, SchedulerConfig, WorkerConfig};
+use crate::pipeline::{Pipeline, PipelineConfig};
+use crate::{Registry, Worker, sqs, store, telemetry};
 
 #[derive(Args)]
 pub struct DevArgs {
@@ -40,7 +40,7 @@ pub async fn run(database_url: &str, args: DevArgs) -> anyhow::Result<()> {
     tracing::info!(
         "rowq is running: INSERT INTO rowq.jobs (kind, payload) VALUES ('echo', '{{\"hello\":\"world\"}}'); Ctrl-C stops"
     );
-    let mut shutdown = rowq::dispatch::shutdown_on_signals();
+    let mut shutdown = crate::dispatch::shutdown_on_signals();
     let _ = shutdown.wait_for(|stop| *stop).await;
     tracing::info!("stopping: finishing the batches in flight");
     running.stop().await;
@@ -57,7 +57,7 @@ pub async fn work(database_url: &str) -> anyhow::Result<()> {
     let env = Env::new(&lookup);
     let worker_config = WorkerConfig::from(&env)?;
     let event_source = EventSourceConfig::from(&env)?;
-    let pool = crate::commands::connect(database_url).await?;
+    let pool = super::commands::connect(database_url).await?;
     let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
     let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
     // No scheduler runs here; the scheduler settings are only carried along.
@@ -67,7 +67,7 @@ pub async fn work(database_url: &str) -> anyhow::Result<()> {
         .await
         .context("cannot start the consumers")?;
     let running = Running { pool, pipeline };
-    let mut shutdown = rowq::dispatch::shutdown_on_signals();
+    let mut shutdown = crate::dispatch::shutdown_on_signals();
     let _ = shutdown.wait_for(|stop| *stop).await;
     running.stop().await;
     Ok(())
@@ -82,11 +82,11 @@ pub async fn start(
     mut defaults: Vec<(&'static str, String)>,
 ) -> anyhow::Result<Running> {
     telemetry::init(config::log_format());
-    crate::commands::create_database_if_missing(database_url).await?;
-    let pool = crate::commands::connect(database_url).await?;
+    super::commands::create_database_if_missing(database_url).await?;
+    let pool = super::commands::connect(database_url).await?;
     store::migrate(&pool).await.context("migration failed")?;
     let client = sqs::client().await;
-    let pair = sqs::ensure_queues(&client, &crate::commands::queue_spec(&args.queues))
+    let pair = sqs::ensure_queues(&client, &super::commands::queue_spec(&args.queues))
         .await
         .context("cannot create the queues (is the SQS endpoint up? `make localstack-up`)")?;
     tracing::info!(queue_url = %pair.queue_url, dlq_url = %pair.dlq_url, "queues ready");

@@ -5,14 +5,14 @@ use std::time::Duration;
 use anyhow::{Context, anyhow, bail};
 use chrono::{DateTime, Utc};
 use clap::Args;
-use rowq::config::{DatabaseConfig, redact_url};
-use rowq::sqs::{self, QueueSpec};
-use rowq::store::{self, admin};
-use rowq::{JobId, JobState};
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::{Command, QueueArgs, QueuesCommand};
+use super::{Command, QueueArgs, QueuesCommand};
+use crate::config::{DatabaseConfig, redact_url};
+use crate::sqs::{self, QueueSpec};
+use crate::store::{self, admin};
+use crate::{JobId, JobState};
 
 #[derive(Args)]
 pub struct EnqueueArgs {

@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use rowq::JobState;
 use sqlx::PgPool;
 
-use crate::dev::{self, DevArgs};
+use super::dev::{self, DevArgs};
+use crate::JobState;
 
 #[derive(Args)]
 pub struct DemoArgs {
@@ -43,7 +43,7 @@ const DEMO_INSERT: &str = r#"
 
 pub async fn run(database_url: &str, args: DemoArgs) -> anyhow::Result<()> {
     // The demo's own output is the progress bar and the summary; RUST_LOG=info shows the rest.
-    rowq::telemetry::init_with_default(rowq::config::log_format(), "error");
+    crate::telemetry::init_with_default(crate::config::log_format(), "error");
     let overrides = vec![("ROWQ_QUEUE", DEMO_QUEUE.to_string())];
     // Short backoff, so retried demo jobs finish within seconds.
     let defaults = vec![("ROWQ_BACKOFF_BASE_MS", "200".to_string()), ("ROWQ_BACKOFF_MAX_SECS", "2".to_string())];
