@@ -609,8 +609,17 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
     let throughput = rate(settings.n as f64, started.elapsed());
     let (cpu_us, client_cpu_us) = cpu.per(settings.n as f64);
     let (allocations, allocated_bytes) = allocations.per(settings.n as f64);
-    // Every message acknowledged must be a job recorded as succeeded, or the rate means nothing.
+    // Every message acknowledged must be a job recorded as succeeded, or the rate means nothing;
+    // and an echo job's result must be its payload, or the results were not what was measured.
     wait_until_succeeded(&pool, settings.n, Duration::ZERO).await?;
+    if result_bytes > 0 {
+        let wrong: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE result IS DISTINCT FROM payload")
+            .fetch_one(&pool)
+            .await?;
+        if wrong > 0 {
+            return Err(format!("{wrong} of {} echo jobs stored a result that is not their payload", settings.n).into());
+        }
+    }
     halt.send_replace(true);
     stop.store(true, Ordering::Relaxed);
     running.await?;
