@@ -1,13 +1,13 @@
 //! The `rowq` command line: operate the queue without writing SQL. The `rowq` binary is one
-//! call of [`main`]: the CLI is compiled here, with the rest of the library, and not again in
-//! the binary, which instantiated the scheduler, the worker, the SQS client and sqlx's pool for
-//! itself (~42 s of a clean `cargo bench --no-run`'s unit time on its own, at the end of the
-//! build; `entry` does the same for the Lambda binaries).
+//! call of [`main`], for the reason [`crate::entry`] gives for the Lambda binaries: awaited from
+//! the binary, the CLI's async code was compiled a second time there (42.5 s of a clean
+//! `cargo bench --no-run`'s unit time, BENCHMARKS.md round 11).
 
 mod commands;
 mod demo;
 mod dev;
 
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -85,24 +85,22 @@ pub struct QueueArgs {
 /// Parses the command line and runs it; exits 1 with the error on stderr if it fails.
 pub fn main() {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(error) => fail(&anyhow::Error::new(error).context("cannot start the async runtime")),
-    };
-    let result = runtime.block_on(async {
-        match cli.command {
-            Command::Dev(args) => dev::run(&cli.database_url, args).await,
-            Command::Work => dev::work(&cli.database_url).await,
-            Command::Demo(args) => demo::run(&cli.database_url, args).await,
-            command => commands::run(&cli.database_url, cli.json, command).await,
-        }
-    });
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+        .and_then(|runtime| runtime.block_on(run(cli)));
     if let Err(error) = result {
-        fail(&error);
+        eprintln!("rowq: {error:#}");
+        std::process::exit(1);
     }
 }
 
-fn fail(error: &anyhow::Error) -> ! {
-    eprintln!("rowq: {error:#}");
-    std::process::exit(1);
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Dev(args) => dev::run(&cli.database_url, args).await,
+        Command::Work => dev::work(&cli.database_url).await,
+        Command::Demo(args) => demo::run(&cli.database_url, args).await,
+        command => commands::run(&cli.database_url, cli.json, command).await,
+    }
 }
