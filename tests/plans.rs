@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use rowq::store::dispatch::{self, CLAIM_SQL, RELEASE_SQL};
 use rowq::store::maintenance::{RESCUE_DISPATCHED_SQL, RESCUE_RUNNING_SQL};
-use rowq::store::run::{self, FINISH_SQL, START_SQL, SUCCEED_SQL, StartRequest};
+use rowq::store::run::{self, FINISH_SQL, Finish, Outcome, START_SQL, SUCCEED_SQL, StartRequest};
 use serde_json::Value;
 use sqlx::PgPool;
 
@@ -109,6 +109,21 @@ async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statisti
         sqlx::query_scalar(explain(RELEASE_SQL)).bind(&ids).bind(&gens).fetch_one(&pool).await.unwrap();
     assert_reads_only_its_batch("fence", fence);
     assert_reads_only_its_batch("release", release);
+    // The plan a worker's connection keeps after five fences (see `run::start`).
+    let generic_fence = explain_in_session(
+        &pool,
+        &[("plan_cache_mode", "force_generic_plan")],
+        START_SQL,
+        "bigint[], bigint[], bigint[]",
+        &format!("{}, {}, {}", array(&ids), array(&gens), array(&leases)),
+    )
+    .await;
+    assert_reads_only_its_batch("fence's generic plan", generic_fence);
+}
+
+/// An array of integers as an SQL literal.
+fn array<T: ToString>(values: &[T]) -> String {
+    format!("'{{{}}}'", values.iter().map(T::to_string).collect::<Vec<_>>().join(","))
 }
 
 #[tokio::test]
@@ -156,6 +171,27 @@ async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_i
         .await
         .unwrap();
     assert_reads_only_its_batch("fence and finish", explained);
+
+    // The plans a worker's connection keeps after five statements (see `run::start`).
+    let (gens, attempts, results) = (array(&[1; 10]), array(&[1; 10]), "array_fill('null'::text, ARRAY[10])");
+    let generic_succeed = explain_in_session(
+        &pool,
+        &[("plan_cache_mode", "force_generic_plan")],
+        SUCCEED_SQL,
+        "bigint[], bigint[], int[], text[]",
+        &format!("{}, {gens}, {attempts}, {results}", array(&ids)),
+    )
+    .await;
+    assert_reads_only_its_batch("success-only finish's generic plan", generic_succeed);
+    let generic_step = explain_in_session(
+        &pool,
+        &[("plan_cache_mode", "force_generic_plan")],
+        &run::STEP_SQL,
+        "bigint[], bigint[], int[], text[], bigint[], bigint[], bigint[]",
+        &format!("{}, {gens}, {attempts}, {results}, {}, {gens}, {}", array(&ids), array(&next), array(&[60_000; 10])),
+    )
+    .await;
+    assert_reads_only_its_batch("fence and finish's generic plan", generic_step);
 }
 
 #[tokio::test]
@@ -295,4 +331,41 @@ async fn on_a_small_table_the_scheduler_still_claims_by_primary_key_not_by_readi
     )
     .await;
     assert!(plan_nodes(unguarded).iter().any(|(node, _)| node == "Seq Scan"), "the table is not small enough to tell");
+}
+
+#[tokio::test]
+async fn on_a_quiet_queue_the_fence_and_the_finish_are_planned_once_per_connection_not_per_job() {
+    // One connection: the plans counted are those of the session every statement ran on.
+    let pool = common::database_with(1).await;
+    for _ in 0..10 {
+        enqueue(&pool, 1).await;
+        let claimed = dispatch::claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+        let started = run::start(
+            &pool,
+            &[StartRequest {
+                id: claimed[0].id,
+                dispatch_gen: claimed[0].dispatch_gen,
+                lease: Duration::from_secs(60),
+            }],
+        )
+        .await
+        .unwrap();
+        let outcome = Outcome::Succeeded { result: serde_json::json!({}) };
+        let finish =
+            Finish { id: started[0].id, dispatch_gen: started[0].dispatch_gen, attempt: started[0].attempt, outcome };
+        assert_eq!(run::finish(&pool, &[finish]).await.unwrap().len(), 1);
+    }
+    for (name, sql) in [("fence", START_SQL), ("finish", SUCCEED_SQL)] {
+        let (generic, custom): (i64, i64) =
+            sqlx::query_as("SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1")
+                .bind(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        // Postgres tries a plan for the values five times before it compares them with the generic one.
+        assert!(
+            generic == 5 && custom == 5,
+            "the {name} of ten jobs was planned for its values {custom} times, generically {generic}"
+        );
+    }
 }
