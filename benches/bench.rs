@@ -321,13 +321,28 @@ fn rate(n: f64, elapsed: Duration) -> f64 {
 /// How many rows after the warm-up's started, and the p50, p99 and max of their insert→start
 /// (ms). rowq's `started_at` is its fence's, the floor's its claim's.
 async fn start_latencies(pool: &PgPool, after: i64) -> Result<(usize, (f64, f64, f64)), Error> {
-    let mut ms: Vec<f64> = sqlx::query_scalar(
+    spans(
+        pool,
         "SELECT extract(epoch FROM started_at - created_at)::float8 * 1000 FROM rowq.jobs
          WHERE started_at IS NOT NULL AND id > $1",
+        after,
     )
-    .bind(after)
-    .fetch_all(pool)
-    .await?;
+    .await
+}
+
+/// The p50, p99 and max of the succeeded rows' start→finish after the warm-up's (ms): the
+/// fence's statement, the hand-over to the (no-op) handler and back, and the finish's arrival,
+/// each timed by Postgres. On Lambda this is the part of every invocation that is rowq's own.
+async fn run_latencies(pool: &PgPool, after: i64) -> Result<(f64, f64, f64), Error> {
+    let sql = "SELECT extract(epoch FROM finished_at - started_at)::float8 * 1000 FROM rowq.jobs
+               WHERE state = 'succeeded' AND id > $1";
+    Ok(spans(pool, sql, after).await?.1)
+}
+
+/// How many rows `sql` (one `float8` column of milliseconds, rows after `$1`) returns, and their
+/// p50, p99 and max.
+async fn spans(pool: &PgPool, sql: &'static str, after: i64) -> Result<(usize, (f64, f64, f64)), Error> {
+    let mut ms: Vec<f64> = sqlx::query_scalar(sql).bind(after).fetch_all(pool).await?;
     Ok((ms.len(), percentiles(&mut ms)))
 }
 
@@ -688,6 +703,7 @@ async fn latency_memory(settings: &Settings) -> Result<Value, Error> {
     trickle(&pool, settings.latency_n, settings.rate).await?;
     wait_until_succeeded(&pool, (settings.latency_n + WARM_UP_JOBS) as i64, Duration::from_secs(60)).await?;
     let (_, (p50, p99, max)) = start_latencies(&pool, after).await?;
+    let (run_p50, run_p99, _) = run_latencies(&pool, after).await?;
     halt.send_replace(true);
     stop.store(true, Ordering::Relaxed);
     running.await?;
@@ -695,7 +711,10 @@ async fn latency_memory(settings: &Settings) -> Result<Value, Error> {
         consumer.await?;
     }
     drop_database(pool, &url).await;
-    Ok(json!({"workload": "latency", "transport": "memory", "p50_ms": p50, "p99_ms": p99, "max_ms": max}))
+    Ok(json!({
+        "workload": "latency", "transport": "memory", "p50_ms": p50, "p99_ms": p99, "max_ms": max,
+        "run_p50_ms": run_p50, "run_p99_ms": run_p99,
+    }))
 }
 
 /// What the same LocalStack does for plain send + receive + delete of N FIFO messages.
@@ -941,6 +960,10 @@ fn report(results: &[Value]) {
     line("latency floor p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_floor, "p50_ms"), f(&lat_floor, "p99_ms")));
     line("latency in-memory p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_mem, "p50_ms"), f(&lat_mem, "p99_ms")));
     line("latency LocalStack p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_ls, "p50_ms"), f(&lat_ls, "p99_ms")));
+    line(
+        "in-memory start → finish p50 / p99",
+        format!("{:.2} / {:.2} ms", f(&lat_mem, "run_p50_ms"), f(&lat_mem, "run_p99_ms")),
+    );
     line(
         "peak RSS scheduler / runner (drain)",
         format!("{:.1} / {:.1} MB", f(&drain_ls, "scheduler_peak_rss_mb"), f(&drain_ls, "runner_peak_rss_mb")),
