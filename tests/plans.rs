@@ -84,11 +84,16 @@ fn assert_scans_no_table(name: &str, nodes: &[(String, String)]) {
 
 /// Fences every claimed row (`dispatched → running`); returns how many started.
 async fn start(pool: &PgPool, claimed: &[dispatch::Claimed]) -> usize {
+    started(pool, claimed).await.len()
+}
+
+/// Fences every claimed row; returns the executions that started.
+async fn started(pool: &PgPool, claimed: &[dispatch::Claimed]) -> Vec<run::Started> {
     let starts: Vec<StartRequest> = claimed
         .iter()
         .map(|c| StartRequest { id: c.id, dispatch_gen: c.dispatch_gen, lease: Duration::from_secs(60) })
         .collect();
-    run::start(pool, &starts).await.unwrap().len()
+    run::start(pool, &starts).await.unwrap()
 }
 
 fn requests(ids: &[rowq::JobId]) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
@@ -109,10 +114,8 @@ async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statisti
         sqlx::query_scalar(explain(RELEASE_SQL)).bind(&ids).bind(&gens).fetch_one(&pool).await.unwrap();
     assert_reads_only_its_batch("fence", fence);
     assert_reads_only_its_batch("release", release);
-    // The plan a worker's connection keeps after five fences (see `run::start`).
-    let generic_fence = explain_in_session(
+    let generic_fence = explain_generic_only(
         &pool,
-        &[("plan_cache_mode", "force_generic_plan")],
         START_SQL,
         "bigint[], bigint[], bigint[]",
         &format!("{}, {}, {}", array(&ids), array(&gens), array(&leases)),
@@ -172,20 +175,17 @@ async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_i
         .unwrap();
     assert_reads_only_its_batch("fence and finish", explained);
 
-    // The plans a worker's connection keeps after five statements (see `run::start`).
     let (gens, attempts, results) = (array(&[1; 10]), array(&[1; 10]), "array_fill('null'::text, ARRAY[10])");
-    let generic_succeed = explain_in_session(
+    let generic_succeed = explain_generic_only(
         &pool,
-        &[("plan_cache_mode", "force_generic_plan")],
         SUCCEED_SQL,
         "bigint[], bigint[], int[], text[]",
         &format!("{}, {gens}, {attempts}, {results}", array(&ids)),
     )
     .await;
     assert_reads_only_its_batch("success-only finish's generic plan", generic_succeed);
-    let generic_step = explain_in_session(
+    let generic_step = explain_generic_only(
         &pool,
-        &[("plan_cache_mode", "force_generic_plan")],
         &run::STEP_SQL,
         "bigint[], bigint[], int[], text[], bigint[], bigint[], bigint[]",
         &format!("{}, {gens}, {attempts}, {results}, {}, {gens}, {}", array(&ids), array(&next), array(&[60_000; 10])),
@@ -251,6 +251,13 @@ async fn explain_generic(pool: &PgPool, sql: &str, types: &str, arguments: &str)
     explain_in_session(pool, &rowq::store::SCHEDULER_SESSION, sql, types, arguments).await
 }
 
+/// `EXPLAIN` of the generic plan alone: the plan a worker's connection keeps for its own
+/// statements after Postgres's five trial plans (see `run::start`), and the scheduler's without
+/// `enable_seqscan = off`.
+async fn explain_generic_only(pool: &PgPool, sql: &str, types: &str, arguments: &str) -> Value {
+    explain_in_session(pool, &[rowq::store::SCHEDULER_SESSION[0]], sql, types, arguments).await
+}
+
 /// `EXPLAIN` of a prepared statement in a session with `settings`.
 async fn explain_in_session(
     pool: &PgPool,
@@ -293,18 +300,24 @@ async fn the_scheduler_statements_generic_plans_read_their_indexes_too() {
     }
 }
 
-/// A quiet queue's table: `n` jobs that went through claim, fence and finish one at a time, as
-/// the pickup-latency benchmark leaves it, and one pending job, analyzed at the end (an
+/// A quiet queue's table: `n` jobs that went through rowq's claim, fence and finish one at a
+/// time, as the pickup-latency benchmark leaves it, and one pending job, analyzed at the end (an
 /// autoanalyze part-way through would otherwise leave statistics of its own choosing).
 async fn finished_one_at_a_time_and_one_pending(pool: &PgPool, n: usize) {
     for _ in 0..n {
         enqueue(pool, 1).await;
         let claimed = dispatch::claim_due(pool, "default", 1, Duration::from_secs(60)).await.unwrap();
-        assert_eq!(start(pool, &claimed).await, 1);
-        sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE state = 'running'")
-            .execute(pool)
+        let finishes: Vec<Finish> = started(pool, &claimed)
             .await
-            .unwrap();
+            .into_iter()
+            .map(|s| Finish {
+                id: s.id,
+                dispatch_gen: s.dispatch_gen,
+                attempt: s.attempt,
+                outcome: Outcome::Succeeded { result: serde_json::json!({}) },
+            })
+            .collect();
+        assert_eq!(run::finish(pool, &finishes).await.unwrap().len(), 1);
     }
     enqueue(pool, 1).await;
     sqlx::query("ANALYZE rowq.jobs").execute(pool).await.unwrap();
@@ -321,15 +334,8 @@ async fn on_a_small_table_the_scheduler_still_claims_by_primary_key_not_by_readi
     let claim = explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", "'default', 100, 60000, 1000").await;
     assert_claim_reads_its_indexes(claim);
     // What the settings are for: with the generic plan alone, the planner reads the whole table.
-    let generic_only = [rowq::store::SCHEDULER_SESSION[0]];
-    let unguarded = explain_in_session(
-        &pool,
-        &generic_only,
-        CLAIM_SQL,
-        "text, bigint, bigint, bigint",
-        "'default', 100, 60000, 1000",
-    )
-    .await;
+    let unguarded =
+        explain_generic_only(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", "'default', 100, 60000, 1000").await;
     assert!(plan_nodes(unguarded).iter().any(|(node, _)| node == "Seq Scan"), "the table is not small enough to tell");
 }
 
@@ -337,24 +343,7 @@ async fn on_a_small_table_the_scheduler_still_claims_by_primary_key_not_by_readi
 async fn on_a_quiet_queue_the_fence_and_the_finish_are_planned_once_per_connection_not_per_job() {
     // One connection: the plans counted are those of the session every statement ran on.
     let pool = common::database_with(1).await;
-    for _ in 0..10 {
-        enqueue(&pool, 1).await;
-        let claimed = dispatch::claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
-        let started = run::start(
-            &pool,
-            &[StartRequest {
-                id: claimed[0].id,
-                dispatch_gen: claimed[0].dispatch_gen,
-                lease: Duration::from_secs(60),
-            }],
-        )
-        .await
-        .unwrap();
-        let outcome = Outcome::Succeeded { result: serde_json::json!({}) };
-        let finish =
-            Finish { id: started[0].id, dispatch_gen: started[0].dispatch_gen, attempt: started[0].attempt, outcome };
-        assert_eq!(run::finish(&pool, &[finish]).await.unwrap().len(), 1);
-    }
+    finished_one_at_a_time_and_one_pending(&pool, 10).await;
     for (name, sql) in [("fence", START_SQL), ("finish", SUCCEED_SQL)] {
         let (generic, custom): (i64, i64) =
             sqlx::query_as("SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1")
