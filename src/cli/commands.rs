@@ -70,7 +70,7 @@ pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Re
     match command {
         Command::Queues { command: QueuesCommand::Create(args) } => return create_queues(&args, json).await,
         Command::Queues { command: QueuesCommand::Show(args) } => return show_queues(&args, json).await,
-        Command::Dev(_) | Command::Demo(_) | Command::Work => unreachable!("dev, demo and work are dispatched in main"),
+        Command::Dev(_) | Command::Demo(_) | Command::Work => unreachable!("cli::run dispatches dev, demo and work"),
         _ => {}
     }
     let pool = connect(database_url).await?;
