@@ -871,6 +871,50 @@ async fn a_stale_and_a_current_fence_for_one_job_beside_a_finish_start_it() {
     assert_eq!(common::job(&pool, twice).await.state, JobState::Running);
 }
 
+/// The fence and the success-only finish find each row's request by the position of its id
+/// among the bound ids, with a binary search that needs them in ascending order. Requests asked
+/// in any order still each set their own row: alone, and in one combined statement.
+#[tokio::test]
+async fn requests_in_any_order_each_set_their_own_row_and_no_other() {
+    let pool = common::database().await;
+    let ids = common::enqueue_many(&pool, "noop", 6).await;
+    claim_due(&pool, "default", 6, Duration::from_secs(60)).await.unwrap();
+    // Each job's own lease and result, so that a row given another's request shows it.
+    let lease = |id: JobId| Duration::from_secs(60 + 10 * id.0 as u64);
+    let fence = |id: JobId| StartRequest { id, dispatch_gen: 1, lease: lease(id) };
+    let done =
+        |id: JobId| Finish { id, dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!(id.0) } };
+    let (first, second): (Vec<JobId>, Vec<JobId>) = (vec![ids[4], ids[1], ids[5]], vec![ids[3], ids[0], ids[2]]);
+
+    let leases_of = async |ids: &[JobId]| {
+        let mut leases = Vec::new();
+        for &id in ids {
+            let row = common::job(&pool, id).await;
+            let lease = row.run_deadline.zip(row.started_at).map(|(deadline, started)| deadline - started);
+            leases.push(lease.and_then(|lease| lease.to_std().ok()));
+        }
+        leases
+    };
+
+    let started = start(&pool, &first.iter().map(|&id| fence(id)).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!(started.len(), 3, "every fence of the first three matched its row");
+    assert_eq!(leases_of(&first).await, first.iter().map(|&id| Some(lease(id))).collect::<Vec<_>>());
+    let steps: Vec<Step> = [first[2], first[0], first[1]]
+        .into_iter()
+        .map(|id| Step::Finish(done(id)))
+        .chain(second.iter().map(|&id| Step::Start(fence(id))))
+        .collect();
+    assert_eq!(keys_answered(&pool, steps).await.len(), 6, "every request of the combined statement matched");
+    assert_eq!(leases_of(&second).await, second.iter().map(|&id| Some(lease(id))).collect::<Vec<_>>());
+    let finished = finish(&pool, &[done(second[2]), done(second[0]), done(second[1])]).await.unwrap();
+    assert_eq!(finished.len(), 3, "every finish of the last three matched its row");
+
+    for id in ids {
+        let row = common::job(&pool, id).await;
+        assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!(id.0))), "job {}'s result", id.0);
+    }
+}
+
 /// What one combined statement of `steps` answered, by key.
 async fn keys_answered(pool: &PgPool, steps: Vec<Step>) -> Vec<StepKey> {
     step(&mut pool.acquire().await.unwrap(), steps).await.unwrap().iter().map(Done::key).collect()

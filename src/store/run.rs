@@ -48,11 +48,11 @@ pub const START_SQL: &str = r#"
         SET state = 'running',
             attempts = j.attempts + 1,
             started_at = now(),
-            run_deadline = now() + ($3::bigint[])[array_position($1::bigint[], j.id)] * interval '1 millisecond',
+            run_deadline = now() + ($3::bigint[])[width_bucket(j.id, $1::bigint[])] * interval '1 millisecond',
             dispatch_deadline = NULL,
             updated_at = now()
         WHERE j.id = ANY (ARRAY(SELECT unnest($1::bigint[])))
-          AND j.dispatch_gen = ($2::bigint[])[array_position($1::bigint[], j.id)]
+          AND j.dispatch_gen = ($2::bigint[])[width_bucket(j.id, $1::bigint[])]
           AND j.attempts < j.max_attempts
           AND (j.state::text = 'dispatched' OR (j.state::text = 'running' AND j.run_deadline < now()))
         RETURNING j.id, j.dispatch_gen, j.attempts, j.max_attempts, j.kind, j.payload, j.group_key, j.run_deadline
@@ -60,17 +60,19 @@ pub const START_SQL: &str = r#"
 
 /// The statement of [`finish`] when every outcome is a success, the common case (public so
 /// that tests can `EXPLAIN` it): `running → succeeded` with the result, under the same guard.
+/// Each row's values are found as in [`START_SQL`], the ids bound in ascending order
+/// ([`success_arrays`]).
 pub const SUCCEED_SQL: &str = r#"
         UPDATE rowq.jobs j
         SET state = 'succeeded',
-            result = (($4::text[])[array_position($1::bigint[], j.id)])::jsonb,
+            result = (($4::text[])[width_bucket(j.id, $1::bigint[])])::jsonb,
             last_error = NULL,
             finished_at = now(),
             run_deadline = NULL,
             updated_at = now()
         WHERE j.id = ANY (ARRAY(SELECT unnest($1::bigint[])))
-          AND j.dispatch_gen = ($2::bigint[])[array_position($1::bigint[], j.id)]
-          AND j.attempts = ($3::int[])[array_position($1::bigint[], j.id)]
+          AND j.dispatch_gen = ($2::bigint[])[width_bucket(j.id, $1::bigint[])]
+          AND j.attempts = ($3::int[])[width_bucket(j.id, $1::bigint[])]
           AND j.state::text = 'running'
         RETURNING j.id, j.dispatch_gen, j.attempts
         "#;
@@ -88,12 +90,17 @@ pub const SUCCEED_SQL: &str = r#"
 /// index empty and scanned every in-flight row to start ten; now the cost is the batch's,
 /// whatever the statistics say. [`finish`] and `dispatch::release` do the same.
 ///
-/// Each row finds its own request with `array_position`, not by joining `unnest(...)` of the
-/// arrays: for an `UPDATE ... FROM` a function scan, Postgres builds a whole-row copy of every
-/// joined row (for re-checks under concurrent updates) and hashes the join; with the
+/// Each row finds its own request by its position in the ids, not by joining `unnest(...)` of
+/// the arrays: for an `UPDATE ... FROM` a function scan, Postgres builds a whole-row copy of
+/// every joined row (for re-checks under concurrent updates) and hashes the join; with the
 /// success-only finish below this took Postgres's CPU per job in a drain from ~97 to ~83 µs.
-/// `array_position` finds an id's first request only, so a job named twice (a stale and a
-/// current message in batches combined into one statement) is asked again in a second one.
+/// The position is `width_bucket(j.id, $1)`, a binary search, which needs `$1` in ascending
+/// order and each id once ([`start_arrays`] sorts, and a job named twice — a stale and a
+/// current message in batches combined into one statement — is asked again in a second
+/// statement). With an id of the array, the bucket it falls in is its own position.
+/// `array_position`, before, compared each row's id with the array's elements one by one:
+/// n²/2 comparisons for a statement of n rows, 7% of the worker's backend's CPU in a drain
+/// (statements of 80 rows), and the in-memory drain is 2–14% faster without them (BENCHMARKS.md).
 ///
 /// The ids are matched through `ANY (ARRAY(SELECT unnest($1)))`, not `ANY ($1)`, so that the
 /// statement is planned once per connection, not on every execution. Postgres plans a prepared
@@ -114,7 +121,7 @@ async fn start_on(connection: &mut PgConnection, requests: &[StartRequest]) -> R
     let mut rest: Vec<&StartRequest> = requests.iter().collect();
     while !rest.is_empty() {
         let (now, later) = first_per_job(rest, |r| r.id);
-        let (ids, gens, leases) = start_arrays(now.iter().copied());
+        let (ids, gens, leases) = start_arrays(now);
         let rows: Vec<Started> =
             sqlx::query_as(START_SQL).bind(ids).bind(gens).bind(leases).fetch_all(&mut *connection).await?;
         started.extend(rows);
@@ -123,8 +130,10 @@ async fn start_on(connection: &mut PgConnection, requests: &[StartRequest]) -> R
     Ok(started)
 }
 
-/// The arrays [`START_SQL`] binds as `$1..$3`: each request's job, generation and lease (ms).
-fn start_arrays<'a>(requests: impl Iterator<Item = &'a StartRequest>) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
+/// The arrays [`START_SQL`] binds as `$1..$3`: each request's job, generation and lease (ms),
+/// in ascending order of the jobs' ids, each job once (the statement's `width_bucket` needs it).
+fn start_arrays(mut requests: Vec<&StartRequest>) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
+    requests.sort_unstable_by_key(|r| r.id);
     let (mut ids, mut gens, mut leases) = (Vec::new(), Vec::new(), Vec::new());
     for request in requests {
         ids.push(request.id.0);
@@ -136,7 +145,7 @@ fn start_arrays<'a>(requests: impl Iterator<Item = &'a StartRequest>) -> (Vec<i6
 
 /// The arrays both finish statements bind as `$1..$3`: each execution's job, generation and
 /// attempt, which their guard compares with the row.
-fn execution_arrays(finishes: &[Finish]) -> (Vec<i64>, Vec<i64>, Vec<i32>) {
+fn execution_arrays<'a>(finishes: impl Iterator<Item = &'a Finish>) -> (Vec<i64>, Vec<i64>, Vec<i32>) {
     let (mut ids, mut gens, mut attempts) = (Vec::new(), Vec::new(), Vec::new());
     for finish in finishes {
         ids.push(finish.id.0);
@@ -144,6 +153,18 @@ fn execution_arrays(finishes: &[Finish]) -> (Vec<i64>, Vec<i64>, Vec<i32>) {
         attempts.push(finish.attempt);
     }
     (ids, gens, attempts)
+}
+
+/// The arrays [`SUCCEED_SQL`] binds as `$1..$4`: [`execution_arrays`] and each serialized
+/// result, in ascending order of the jobs' ids (its `width_bucket` needs it; each job must be
+/// named once).
+type SuccessArrays = (Vec<i64>, Vec<i64>, Vec<i32>, Vec<Option<String>>);
+
+fn success_arrays(finishes: &[Finish], results: Vec<Option<String>>) -> SuccessArrays {
+    let mut rows: Vec<(&Finish, Option<String>)> = finishes.iter().zip(results).collect();
+    rows.sort_unstable_by_key(|(finish, _)| finish.id);
+    let (ids, gens, attempts) = execution_arrays(rows.iter().map(|(finish, _)| *finish));
+    (ids, gens, attempts, rows.into_iter().map(|(_, result)| result).collect())
 }
 
 /// The first item naming each job, and the items that name a job again.
@@ -229,13 +250,15 @@ async fn finish_stored<'e>(
     if finishes.is_empty() {
         return Ok(Vec::new());
     }
-    let (ids, gens, attempts) = execution_arrays(finishes);
-    // SUCCEED_SQL finds each row's values by `array_position` (see `start`): an id's first
-    // only. A job named twice (a stale and a current execution) takes the joined statement.
+    // SUCCEED_SQL finds each row's values by its position among the ids (see `start`), which
+    // names one request per job. A job named twice (a stale and a current execution) takes the
+    // joined statement.
     let all_succeeded = results.iter().all(Option::is_some);
     if all_succeeded && first_per_job(finishes.iter().collect(), |f| f.id).1.is_empty() {
+        let (ids, gens, attempts, results) = success_arrays(finishes, results);
         return sqlx::query_as(SUCCEED_SQL).bind(ids).bind(gens).bind(attempts).bind(results).fetch_all(executor).await;
     }
+    let (ids, gens, attempts) = execution_arrays(finishes.iter());
     let states: Vec<&str> = finishes
         .iter()
         .map(|f| match f.outcome {
@@ -388,8 +411,8 @@ pub async fn step(connection: &mut PgConnection, steps: Vec<Step>) -> Result<Vec
         Option<String>,
         Option<DateTime<Utc>>,
     );
-    let (ids, gens, attempts) = execution_arrays(&finishes);
-    let (start_ids, start_gens, leases) = start_arrays(starts.iter());
+    let (ids, gens, attempts, results) = success_arrays(&finishes, results);
+    let (start_ids, start_gens, leases) = start_arrays(starts.iter().collect());
     let rows: Vec<Row> = sqlx::query_as(STEP_SQL.as_str())
         .bind(ids)
         .bind(gens)
