@@ -100,7 +100,8 @@ pub const SUCCEED_SQL: &str = r#"
 /// statement). With an id of the array, the bucket it falls in is its own position.
 /// `array_position`, before, compared each row's id with the array's elements one by one:
 /// n²/2 comparisons for a statement of n rows, 7% of the worker's backend's CPU in a drain
-/// (statements of 80 rows), and the in-memory drain is 2–14% faster without them (BENCHMARKS.md).
+/// (statements of 80 rows); without them the in-memory drain is 7% faster as the median of 8
+/// interleaved pairs (BENCHMARKS.md, round 13).
 ///
 /// The ids are matched through `ANY (ARRAY(SELECT unnest($1)))`, not `ANY ($1)`, so that the
 /// statement is planned once per connection, not on every execution. Postgres plans a prepared
@@ -155,11 +156,12 @@ fn execution_arrays<'a>(finishes: impl Iterator<Item = &'a Finish>) -> (Vec<i64>
     (ids, gens, attempts)
 }
 
+/// Ids, generations, attempts and serialized results, as [`SUCCEED_SQL`] binds them.
+type SuccessArrays = (Vec<i64>, Vec<i64>, Vec<i32>, Vec<Option<String>>);
+
 /// The arrays [`SUCCEED_SQL`] binds as `$1..$4`: [`execution_arrays`] and each serialized
 /// result, in ascending order of the jobs' ids (its `width_bucket` needs it; each job must be
 /// named once).
-type SuccessArrays = (Vec<i64>, Vec<i64>, Vec<i32>, Vec<Option<String>>);
-
 fn success_arrays(finishes: &[Finish], results: Vec<Option<String>>) -> SuccessArrays {
     let mut rows: Vec<(&Finish, Option<String>)> = finishes.iter().zip(results).collect();
     rows.sort_unstable_by_key(|(finish, _)| finish.id);
