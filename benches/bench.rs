@@ -159,14 +159,14 @@ async fn run() -> Result<(), Error> {
     // BENCH_ONLY=drain-memory,sql-floor runs just those, in this order.
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     let wanted = |name: &str| only.is_empty() || only.split(',').any(|w| w.trim() == name);
-    let pairs = std::env::var("BENCH_PAIRS").ok().and_then(|v| v.parse::<usize>().ok()).map(|n| n.max(1));
+    let pairs = |default: usize| number("BENCH_PAIRS", default as f64).max(1.0) as usize;
     let mut ran: Vec<&str> = Vec::new();
     for name in WORKLOADS.into_iter().filter(|name| wanted(name)) {
         if ran.contains(&name) {
             continue; // run with its pair
         }
         let (group, rounds) = match PAIRED.iter().find(|(pair, _)| pair.contains(&name)) {
-            Some((pair, rounds)) => (pair.iter().copied().filter(|w| wanted(w)).collect(), pairs.unwrap_or(*rounds)),
+            Some((pair, rounds)) => (pair.iter().copied().filter(|w| wanted(w)).collect(), pairs(*rounds)),
             None => (vec![name], 1),
         };
         for round in 1..=rounds {
