@@ -122,6 +122,10 @@ async fn the_fence_and_the_release_find_their_rows_by_primary_key_while_statisti
     )
     .await;
     assert_reads_only_its_batch("fence's generic plan", generic_fence);
+    // The release runs on the scheduler's pool, whose sessions plan generically.
+    let generic_release =
+        explain_generic(&pool, RELEASE_SQL, "bigint[], bigint[]", &format!("{}, {}", array(&ids), array(&gens))).await;
+    assert_reads_only_its_batch("release's generic plan", generic_release);
 }
 
 /// An array of integers as an SQL literal.
@@ -184,6 +188,19 @@ async fn the_finish_finds_its_rows_by_primary_key_while_statistics_say_nothing_i
     )
     .await;
     assert_reads_only_its_batch("success-only finish's generic plan", generic_succeed);
+    let generic_finish = explain_generic_only(
+        &pool,
+        FINISH_SQL,
+        "bigint[], bigint[], int[], text[], text[], text[], bigint[]",
+        &format!(
+            "{}, {gens}, {attempts}, array_fill('pending'::text, ARRAY[10]), array_fill(NULL::text, ARRAY[10]), \
+             array_fill('timed out'::text, ARRAY[10]), {}",
+            array(&ids),
+            array(&[1000; 10])
+        ),
+    )
+    .await;
+    assert_reads_only_its_batch("joined finish's generic plan", generic_finish);
     let generic_step = explain_generic_only(
         &pool,
         &run::STEP_SQL,
@@ -304,23 +321,23 @@ async fn the_scheduler_statements_generic_plans_read_their_indexes_too() {
 /// time, as the pickup-latency benchmark leaves it, and one pending job, analyzed at the end (an
 /// autoanalyze part-way through would otherwise leave statistics of its own choosing).
 async fn finished_one_at_a_time_and_one_pending(pool: &PgPool, n: usize) {
+    one_at_a_time(pool, n, Outcome::Succeeded { result: serde_json::json!({}) }).await;
+    enqueue(pool, 1).await;
+    sqlx::query("ANALYZE rowq.jobs").execute(pool).await.unwrap();
+}
+
+/// `n` jobs, each enqueued, claimed, fenced and finished with `outcome` before the next.
+async fn one_at_a_time(pool: &PgPool, n: usize, outcome: Outcome) {
     for _ in 0..n {
         enqueue(pool, 1).await;
         let claimed = dispatch::claim_due(pool, "default", 1, Duration::from_secs(60)).await.unwrap();
         let finishes: Vec<Finish> = started(pool, &claimed)
             .await
             .into_iter()
-            .map(|s| Finish {
-                id: s.id,
-                dispatch_gen: s.dispatch_gen,
-                attempt: s.attempt,
-                outcome: Outcome::Succeeded { result: serde_json::json!({}) },
-            })
+            .map(|s| Finish { id: s.id, dispatch_gen: s.dispatch_gen, attempt: s.attempt, outcome: outcome.clone() })
             .collect();
         assert_eq!(run::finish(pool, &finishes).await.unwrap().len(), 1);
     }
-    enqueue(pool, 1).await;
-    sqlx::query("ANALYZE rowq.jobs").execute(pool).await.unwrap();
 }
 
 #[tokio::test]
@@ -344,11 +361,25 @@ async fn on_a_quiet_queue_the_fence_and_the_finish_are_planned_once_per_connecti
     // One connection: the plans counted are those of the session every statement ran on.
     let pool = common::database_with(1).await;
     finished_one_at_a_time_and_one_pending(&pool, 10).await;
-    for (name, sql) in [("fence", START_SQL), ("finish", SUCCEED_SQL)] {
+    assert_planned_once_per_connection(&pool, &[("fence", START_SQL), ("finish", SUCCEED_SQL)]).await;
+}
+
+#[tokio::test]
+async fn on_a_quiet_queue_a_failure_is_planned_once_per_connection_not_per_job() {
+    let pool = common::database_with(1).await;
+    // Ten jobs fail one at a time: a batch with a failure takes the joined finish.
+    one_at_a_time(&pool, 10, Outcome::Failed { error: "permanent".into() }).await;
+    assert_planned_once_per_connection(&pool, &[("finish of a failure", FINISH_SQL)]).await;
+}
+
+/// Each of `statements` (run ten times or more on the pool's one connection) was planned for
+/// its parameters' values at most five times and generically at least five.
+async fn assert_planned_once_per_connection(pool: &PgPool, statements: &[(&str, &str)]) {
+    for &(name, sql) in statements {
         let (generic, custom): (i64, i64) =
             sqlx::query_as("SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1")
                 .bind(sql)
-                .fetch_one(&pool)
+                .fetch_one(pool)
                 .await
                 .unwrap();
         // Postgres tries a plan for the values five times before it compares them with the generic one.
