@@ -4,10 +4,10 @@
 //!
 //! Settings: BENCH_N (backlog, 20000), BENCH_C (connections / pollers, 8), BENCH_LATENCY_N
 //! (1000), BENCH_RATE (inserts per second for latency, 100), BENCH_PAIRS (how many times each
-//! paired workload runs alternating with its floor: [`PAIRED`]), BENCH_ONLY (comma-separated workloads:
-//! enqueue, sql-floor, dispatch-memory, drain-memory, drain-memory-results, latency-floor,
-//! latency-memory, raw-localstack, dispatch-localstack, drain-localstack, latency-localstack;
-//! default all).
+//! paired workload runs alternating with its floor: [`PAIRED`]), BENCH_ONLY (comma-separated
+//! workloads: enqueue, sql-floor, dispatch-memory, drain-memory, drain-memory-results,
+//! latency-floor, latency-memory, raw-localstack, dispatch-localstack, drain-localstack,
+//! latency-localstack; default all).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -52,7 +52,7 @@ const WORKLOADS: [&str; 11] = [
 /// pairs' ratios. On a shared two-core machine one run of the floor moved by a third from one
 /// minute to the next; a pair sees the same machine, and the median of several pairs is steadier
 /// than any one of them. A drain pair takes a few seconds, a latency pair ~25 s, a LocalStack
-/// pair ~25 s: the in-memory drain, whose pairs spread most (0.41–0.64 in runs 23–27), gets
+/// pair 25–55 s: the in-memory drain, whose pairs spread most (0.41–0.64 in runs 23–27), gets
 /// five. The LocalStack drain ran once, after one raw run, until run 28: that single pair read
 /// 0.87, 1.16 and then 0.76 in runs 23, 24 and 28 (BENCHMARKS.md).
 const PAIRED: [([&str; 2], usize); 3] = [
