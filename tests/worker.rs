@@ -740,29 +740,33 @@ async fn a_database_failure_under_a_shared_statement_fails_every_batch_in_it() {
 }
 
 /// A stale and a current message for one job, in batches combined into one fence: the rows
-/// find their request by position, so the job named twice is fenced in a second statement.
+/// find their request by position, so the job named twice is fenced in a second statement. The
+/// same for a stale and a current finish. Both orders: with one statement, the row would see
+/// only the request sorted last, and the current one would be lost when the stale one is.
 #[tokio::test]
 async fn a_stale_and_a_current_request_for_one_job_in_one_statement_start_it_and_record_it() {
     let pool = common::database().await;
-    let id = common::enqueue(&pool, "noop", json!({})).await;
-    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
-    sqlx::query("UPDATE rowq.jobs SET state = 'pending' WHERE id = $1").bind(id).execute(&pool).await.unwrap();
-    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
-    assert_eq!(claimed[0].dispatch_gen, 2);
-    let request = |dispatch_gen| StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) };
-    let started = start(&pool, &[request(1), request(2)]).await.unwrap();
-    assert_eq!(started.iter().map(|s| (s.id, s.dispatch_gen)).collect::<Vec<_>>(), vec![(id, 2)]);
+    for generations in [[1, 2], [2, 1]] {
+        let id = common::enqueue(&pool, "noop", json!({})).await;
+        claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+        sqlx::query("UPDATE rowq.jobs SET state = 'pending' WHERE id = $1").bind(id).execute(&pool).await.unwrap();
+        let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(claimed[0].dispatch_gen, 2);
+        let request = |dispatch_gen| StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) };
+        let started = start(&pool, &generations.map(request)).await.unwrap();
+        assert_eq!(started.iter().map(|s| (s.id, s.dispatch_gen)).collect::<Vec<_>>(), vec![(id, 2)]);
 
-    let done = |dispatch_gen| Finish {
-        id,
-        dispatch_gen,
-        attempt: 1,
-        outcome: Outcome::Succeeded { result: json!(dispatch_gen) },
-    };
-    let recorded = finish(&pool, &[done(1), done(2)]).await.unwrap();
-    assert_eq!(recorded.iter().map(|f| f.dispatch_gen).collect::<Vec<_>>(), vec![2]);
-    let row = common::job(&pool, id).await;
-    assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!(2))));
+        let done = |dispatch_gen| Finish {
+            id,
+            dispatch_gen,
+            attempt: 1,
+            outcome: Outcome::Succeeded { result: json!(dispatch_gen) },
+        };
+        let recorded = finish(&pool, &generations.map(done)).await.unwrap();
+        assert_eq!(recorded.iter().map(|f| f.dispatch_gen).collect::<Vec<_>>(), vec![2]);
+        let row = common::job(&pool, id).await;
+        assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!(2))));
+    }
 }
 
 #[tokio::test]

@@ -121,8 +121,9 @@ pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Start
 async fn start_on(connection: &mut PgConnection, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
     let mut started = Vec::new();
     let mut rest: Vec<&StartRequest> = requests.iter().collect();
+    rest.sort_by_key(|r| r.id); // stable: a job's requests keep their order
     while !rest.is_empty() {
-        let (now, later) = first_per_job(rest, |r| r.id);
+        let (now, later) = first_per_job(rest);
         let (ids, gens, leases) = start_arrays(now);
         let rows: Vec<Started> =
             sqlx::query_as(START_SQL).bind(ids).bind(gens).bind(leases).fetch_all(&mut *connection).await?;
@@ -160,20 +161,25 @@ fn execution_arrays<'a>(finishes: impl Iterator<Item = &'a Finish>) -> (Vec<i64>
 /// Ids, generations, attempts and serialized results, as [`SUCCEED_SQL`] binds them.
 type SuccessArrays = (Vec<i64>, Vec<i64>, Vec<i32>, Vec<Option<String>>);
 
-/// The arrays [`SUCCEED_SQL`] binds as `$1..$4`: [`execution_arrays`] and each serialized
-/// result, in ascending order of the jobs' ids (its `width_bucket` needs it; each job must be
-/// named once).
-fn success_arrays(finishes: &[Finish], results: Vec<Option<String>>) -> SuccessArrays {
+/// Each finish with its serialized result, in ascending order of the jobs' ids.
+fn by_job(finishes: &[Finish], results: Vec<Option<String>>) -> Vec<(&Finish, Option<String>)> {
     let mut rows: Vec<(&Finish, Option<String>)> = finishes.iter().zip(results).collect();
     rows.sort_unstable_by_key(|(finish, _)| finish.id);
+    rows
+}
+
+/// The arrays [`SUCCEED_SQL`] binds as `$1..$4`: [`execution_arrays`] and each serialized
+/// result, of `rows` from [`by_job`] (its `width_bucket` needs the ids in ascending order; each
+/// job must be named once).
+fn success_arrays(rows: Vec<(&Finish, Option<String>)>) -> SuccessArrays {
     let (ids, gens, attempts) = execution_arrays(rows.iter().map(|(finish, _)| *finish));
     (ids, gens, attempts, rows.into_iter().map(|(_, result)| result).collect())
 }
 
-/// The first item naming each job, and the items that name a job again.
-fn first_per_job<T>(items: Vec<&T>, job: fn(&T) -> JobId) -> (Vec<&T>, Vec<&T>) {
-    let mut seen = std::collections::HashSet::with_capacity(items.len());
-    items.into_iter().partition(|item| seen.insert(job(item)))
+/// Of requests sorted by job, the first naming each job, and those that name a job again.
+fn first_per_job(sorted: Vec<&StartRequest>) -> (Vec<&StartRequest>, Vec<&StartRequest>) {
+    let mut previous = None;
+    sorted.into_iter().partition(|request| previous.replace(request.id) != Some(request.id))
 }
 
 /// How an execution ended, as the row will record it.
@@ -254,36 +260,36 @@ async fn finish_stored<'e>(
         return Ok(Vec::new());
     }
     // SUCCEED_SQL finds each row's values by its position among the ids (see `start`), which
-    // names one request per job. A job named twice (a stale and a current execution) takes the
-    // joined statement.
-    let all_succeeded = results.iter().all(Option::is_some);
-    if all_succeeded && first_per_job(finishes.iter().collect(), |f| f.id).1.is_empty() {
-        let (ids, gens, attempts, results) = success_arrays(finishes, results);
+    // names one request per job. A job named twice (a stale and a current execution), found
+    // next to itself once sorted, takes the joined statement, which takes any order.
+    let rows = by_job(finishes, results);
+    let each_job_once = rows.windows(2).all(|pair| pair[0].0.id != pair[1].0.id);
+    if each_job_once && rows.iter().all(|(_, result)| result.is_some()) {
+        let (ids, gens, attempts, results) = success_arrays(rows);
         return sqlx::query_as(SUCCEED_SQL).bind(ids).bind(gens).bind(attempts).bind(results).fetch_all(executor).await;
     }
-    let (ids, gens, attempts) = execution_arrays(finishes.iter());
-    let states: Vec<&str> = finishes
-        .iter()
+    let finishes = || rows.iter().map(|(finish, _)| *finish);
+    let (ids, gens, attempts) = execution_arrays(finishes());
+    let states: Vec<&str> = finishes()
         .map(|f| match f.outcome {
             Outcome::Succeeded { .. } => JobState::Succeeded.as_str(),
             Outcome::RetryLater { .. } => JobState::Pending.as_str(),
             Outcome::Failed { .. } => JobState::Failed.as_str(),
         })
         .collect();
-    let errors: Vec<Option<String>> = finishes
-        .iter()
+    let errors: Vec<Option<String>> = finishes()
         .map(|f| match &f.outcome {
             Outcome::Succeeded { .. } => None,
             Outcome::RetryLater { error, .. } | Outcome::Failed { error } => Some(storable_error(error)),
         })
         .collect();
-    let backoffs: Vec<i64> = finishes
-        .iter()
+    let backoffs: Vec<i64> = finishes()
         .map(|f| match f.outcome {
             Outcome::RetryLater { backoff, .. } => millis(backoff),
             Outcome::Succeeded { .. } | Outcome::Failed { .. } => 0,
         })
         .collect();
+    let results: Vec<Option<String>> = rows.into_iter().map(|(_, result)| result).collect();
     sqlx::query_as(FINISH_SQL)
         .bind(ids)
         .bind(gens)
@@ -414,7 +420,7 @@ pub async fn step(connection: &mut PgConnection, steps: Vec<Step>) -> Result<Vec
         Option<String>,
         Option<DateTime<Utc>>,
     );
-    let (ids, gens, attempts, results) = success_arrays(&finishes, results);
+    let (ids, gens, attempts, results) = success_arrays(by_job(&finishes, results));
     let (start_ids, start_gens, leases) = start_arrays(starts.iter().collect());
     let rows: Vec<Row> = sqlx::query_as(STEP_SQL.as_str())
         .bind(ids)
