@@ -48,15 +48,12 @@ const WORKLOADS: [&str; 11] = [
 ];
 
 /// Each workload measured against a floor, with its floor and how many times a full run takes
-/// the two, alternating (`BENCH_PAIRS` sets one count for all); the ratio is the median of the
-/// pairs' ratios. On a shared two-core machine one run of the floor moved by a third from one
-/// minute to the next; a pair sees the same machine, and the median of several pairs is steadier
-/// than any one of them. A drain pair takes a few seconds, a latency pair ~25 s, a LocalStack
-/// pair 25–55 s: the in-memory drain, whose pairs spread most (0.41–0.64 in runs 23–27), gets
-/// five. The LocalStack drain ran once, after one raw run, until run 28: that single pair read
-/// 0.87, 1.16 and then 0.76 in runs 23, 24 and 28, and 0.74–1.09 within runs 29–32, which ran
-/// three pairs. It runs two (their mean): with three, a clean clone's `make bench` took 10 min
-/// 2–3 s on runs 29–32's machine, over its 10-minute budget (BENCHMARKS.md).
+/// the two (`BENCH_PAIRS` sets one count for all); the ratio is the median of the pairs' ratios.
+/// On a shared two-core machine one run of a floor moves by a third from one minute to the next;
+/// a pair sees the same machine, and the median of several pairs is steadier than any one of
+/// them. A drain pair takes a few seconds; the latency pair ~25 s, taken in turns
+/// ([`latency_pair`]); a LocalStack pair 25–55 s, so it runs two (their mean), which keeps a
+/// clean clone's `make bench` inside its 10-minute budget (BENCHMARKS.md, runs 29–33).
 const PAIRED: [([&str; 2], usize); 3] = [
     (["sql-floor", "drain-memory"], 5),
     (["latency-floor", "latency-memory"], 3),
@@ -178,8 +175,7 @@ async fn run() -> Result<(), Error> {
             None => (vec![name], 1),
         };
         for round in 1..=rounds {
-            for &workload in &group {
-                let mut result = workload_run(workload, &settings).await?;
+            for mut result in group_run(&group, &settings).await? {
                 if rounds > 1 {
                     result["pair"] = json!(round);
                 }
@@ -191,6 +187,19 @@ async fn run() -> Result<(), Error> {
 
     report(&results);
     Ok(())
+}
+
+/// One run of each workload of `group` (a workload alone, or a pair with its floor): one after
+/// the other, but the latency pair in turns ([`latency_pair`]).
+async fn group_run(group: &[&str], settings: &Settings) -> Result<Vec<Value>, Error> {
+    if group == ["latency-floor", "latency-memory"] {
+        return latency_pair(settings).await;
+    }
+    let mut results = Vec::new();
+    for workload in group {
+        results.push(workload_run(workload, settings).await?);
+    }
+    Ok(results)
 }
 
 async fn workload_run(name: &str, settings: &Settings) -> Result<Value, Error> {
@@ -431,7 +440,20 @@ fn percentiles(ms: &mut [f64]) -> (f64, f64, f64) {
 
 /// Inserts `n` jobs one per transaction at `per_second`, from one connection.
 async fn trickle(pool: &PgPool, n: usize, per_second: f64) -> Result<(), Error> {
+    trickle_on(&mut ticker(per_second), pool, n).await
+}
+
+/// One tick every 1/`per_second` seconds, the first at once. A tick missed (an insert that took
+/// longer than the interval) is not made up for by a burst: every insert still finds the
+/// pipeline idle.
+fn ticker(per_second: f64) -> tokio::time::Interval {
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / per_second));
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks
+}
+
+/// Inserts `n` jobs one per transaction, one per tick of `ticks`.
+async fn trickle_on(ticks: &mut tokio::time::Interval, pool: &PgPool, n: usize) -> Result<(), Error> {
     for _ in 0..n {
         ticks.tick().await;
         sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(pool).await?;
@@ -661,70 +683,144 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
     }))
 }
 
-/// LISTEN and claim one row per NOTIFY, while one row per transaction is inserted: the floor
-/// for pickup latency.
-async fn latency_floor(settings: &Settings) -> Result<Value, Error> {
-    let (pool, url) = database(settings, "latency_floor").await?;
-    let mut listener = PgListener::connect_with(&pool).await?;
-    listener.listen(rowq::store::NOTIFY_CHANNEL).await?;
-    let done = Arc::new(AtomicBool::new(false));
-    let claimer = {
-        let (pool, done) = (pool.clone(), done.clone());
-        tokio::spawn(async move {
-            let mut connection = pool.acquire().await?; // held, as in `sql_floor`
-            while !done.load(Ordering::Relaxed) {
-                if tokio::time::timeout(Duration::from_millis(100), listener.recv()).await.is_err() {
-                    continue;
+/// The floor for pickup latency: a client that LISTENs and claims one row per NOTIFY (on a
+/// connection it holds, as in `sql_floor`), on a database of its own, until [`finish`]ed.
+///
+/// [`finish`]: LatencyFloor::finish
+struct LatencyFloor {
+    pool: PgPool,
+    url: String,
+    done: Arc<AtomicBool>,
+    claimer: tokio::task::JoinHandle<Result<(), sqlx::Error>>,
+}
+
+impl LatencyFloor {
+    async fn start(settings: &Settings) -> Result<Self, Error> {
+        let (pool, url) = database(settings, "latency_floor").await?;
+        let mut listener = PgListener::connect_with(&pool).await?;
+        listener.listen(rowq::store::NOTIFY_CHANNEL).await?;
+        let done = Arc::new(AtomicBool::new(false));
+        let claimer = {
+            let (pool, done) = (pool.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut connection = pool.acquire().await?;
+                while !done.load(Ordering::Relaxed) {
+                    if tokio::time::timeout(Duration::from_millis(100), listener.recv()).await.is_err() {
+                        continue;
+                    }
+                    sqlx::query(
+                        r#"
+                        WITH c AS (SELECT id FROM rowq.jobs WHERE state = 'pending' ORDER BY priority DESC, run_at, id
+                                   LIMIT 1 FOR UPDATE SKIP LOCKED)
+                        UPDATE rowq.jobs j SET state = 'running', started_at = now() FROM c WHERE j.id = c.id
+                        "#,
+                    )
+                    .execute(&mut *connection)
+                    .await?;
                 }
-                sqlx::query(
-                    r#"
-                    WITH c AS (SELECT id FROM rowq.jobs WHERE state = 'pending' ORDER BY priority DESC, run_at, id
-                               LIMIT 1 FOR UPDATE SKIP LOCKED)
-                    UPDATE rowq.jobs j SET state = 'running', started_at = now() FROM c WHERE j.id = c.id
-                    "#,
-                )
-                .execute(&mut *connection)
-                .await?;
-            }
-            Ok::<_, sqlx::Error>(())
-        })
-    };
-    let after = warm_up(&pool, settings.rate).await?;
-    trickle(&pool, settings.latency_n, settings.rate).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    done.store(true, Ordering::Relaxed);
-    claimer.await??;
-    let (claimed, (p50, p99, max)) = start_latencies(&pool, after).await?;
-    drop_database(pool, &url).await;
-    Ok(json!({"workload": "latency-floor", "p50_ms": p50, "p99_ms": p99, "max_ms": max, "claimed": claimed}))
+                Ok(())
+            })
+        };
+        Ok(LatencyFloor { pool, url, done, claimer })
+    }
+
+    /// Stops the claimer once the last row had time to be claimed; the latencies of the rows
+    /// after `after`.
+    async fn finish(self, after: i64) -> Result<Value, Error> {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.done.store(true, Ordering::Relaxed);
+        self.claimer.await??;
+        let (claimed, (p50, p99, max)) = start_latencies(&self.pool, after).await?;
+        drop_database(self.pool, &self.url).await;
+        Ok(json!({"workload": "latency-floor", "p50_ms": p50, "p99_ms": p99, "max_ms": max, "claimed": claimed}))
+    }
+}
+
+/// rowq's pickup path with the in-memory transport: a scheduler and the pollers, idle until
+/// jobs are inserted, on a database of their own, until [`finish`]ed.
+///
+/// [`finish`]: LatencyMemory::finish
+struct LatencyMemory {
+    pool: PgPool,
+    url: String,
+    halt: watch::Sender<bool>,
+    scheduling: tokio::task::JoinHandle<rowq::dispatch::RunTotals>,
+    stop: Arc<AtomicBool>,
+    consumers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl LatencyMemory {
+    async fn start(settings: &Settings) -> Result<Self, Error> {
+        let (pool, url) = database(settings, "latency_mem").await?;
+        let scheduler = Arc::new(
+            scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let consumers =
+            memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone(), Progress::new());
+        let (halt, scheduling) = spawn_scheduler(scheduler);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(LatencyMemory { pool, url, halt, scheduling, stop, consumers })
+    }
+
+    /// Waits for every job inserted (`jobs`, the warm-up's included) to succeed, stops the
+    /// pipeline; the latencies of the rows after `after`.
+    async fn finish(self, jobs: usize, after: i64) -> Result<Value, Error> {
+        wait_until_succeeded(&self.pool, jobs as i64, Duration::from_secs(60)).await?;
+        let (_, (p50, p99, max)) = start_latencies(&self.pool, after).await?;
+        let (run_p50, run_p99, _) = run_latencies(&self.pool, after).await?;
+        self.halt.send_replace(true);
+        self.stop.store(true, Ordering::Relaxed);
+        self.scheduling.await?;
+        for consumer in self.consumers {
+            consumer.await?;
+        }
+        drop_database(self.pool, &self.url).await;
+        Ok(json!({
+            "workload": "latency", "transport": "memory", "p50_ms": p50, "p99_ms": p99, "max_ms": max,
+            "run_p50_ms": run_p50, "run_p99_ms": run_p99,
+        }))
+    }
+}
+
+async fn latency_floor(settings: &Settings) -> Result<Value, Error> {
+    let floor = LatencyFloor::start(settings).await?;
+    let after = warm_up(&floor.pool, settings.rate).await?;
+    trickle(&floor.pool, settings.latency_n, settings.rate).await?;
+    floor.finish(after).await
 }
 
 async fn latency_memory(settings: &Settings) -> Result<Value, Error> {
-    let (pool, url) = database(settings, "latency_mem").await?;
-    let scheduler = Arc::new(
-        scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
-    );
-    let stop = Arc::new(AtomicBool::new(false));
-    let consumers =
-        memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone(), Progress::new());
-    let (halt, running) = spawn_scheduler(scheduler.clone());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let after = warm_up(&pool, settings.rate).await?;
-    trickle(&pool, settings.latency_n, settings.rate).await?;
-    wait_until_succeeded(&pool, (settings.latency_n + WARM_UP_JOBS) as i64, Duration::from_secs(60)).await?;
-    let (_, (p50, p99, max)) = start_latencies(&pool, after).await?;
-    let (run_p50, run_p99, _) = run_latencies(&pool, after).await?;
-    halt.send_replace(true);
-    stop.store(true, Ordering::Relaxed);
-    running.await?;
-    for consumer in consumers {
-        consumer.await?;
+    let rowq = LatencyMemory::start(settings).await?;
+    let after = warm_up(&rowq.pool, settings.rate).await?;
+    trickle(&rowq.pool, settings.latency_n, settings.rate).await?;
+    rowq.finish(settings.latency_n + WARM_UP_JOBS, after).await
+}
+
+/// How many jobs the interleaved latency pair inserts into one side before it turns to the
+/// other: a second at 100/s.
+const LATENCY_TURN: usize = 100;
+
+/// The latency floor and rowq's in-memory pickup in one run, both set up and idle at once,
+/// taking turns of [`LATENCY_TURN`] jobs, one insert every 1/rate seconds throughout: each
+/// side inserts its `latency_n` jobs one at a time at the rate, while the other is idle. Run
+/// one after the other, ~12 s apart, the floor's p50 moved by a third between pairs of one run
+/// (1.06–1.41 ms in run 34) with the machine; taking turns every second, both see the same
+/// minute, and their ratio is rowq's, not the machine's drift.
+async fn latency_pair(settings: &Settings) -> Result<Vec<Value>, Error> {
+    let floor = LatencyFloor::start(settings).await?;
+    let rowq = LatencyMemory::start(settings).await?;
+    let floor_after = warm_up(&floor.pool, settings.rate).await?;
+    let rowq_after = warm_up(&rowq.pool, settings.rate).await?;
+    let mut ticks = ticker(settings.rate);
+    let mut left = settings.latency_n;
+    while left > 0 {
+        let turn = left.min(LATENCY_TURN);
+        trickle_on(&mut ticks, &floor.pool, turn).await?;
+        trickle_on(&mut ticks, &rowq.pool, turn).await?;
+        left -= turn;
     }
-    drop_database(pool, &url).await;
-    Ok(json!({
-        "workload": "latency", "transport": "memory", "p50_ms": p50, "p99_ms": p99, "max_ms": max,
-        "run_p50_ms": run_p50, "run_p99_ms": run_p99,
-    }))
+    Ok(vec![floor.finish(floor_after).await?, rowq.finish(settings.latency_n + WARM_UP_JOBS, rowq_after).await?])
 }
 
 /// What the same LocalStack does for plain send + receive + delete of N FIFO messages.
