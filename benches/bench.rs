@@ -444,8 +444,8 @@ async fn trickle(pool: &PgPool, n: usize, per_second: f64) -> Result<(), Error> 
 }
 
 /// One tick every 1/`per_second` seconds, the first at once. A tick missed (an insert that took
-/// longer than the interval) is not made up for by a burst: every insert still finds the
-/// pipeline idle.
+/// longer than the interval) is not made up for by a burst: inserts stay at least 1/`per_second`
+/// apart, one at a time as the latency workloads mean them.
 fn ticker(per_second: f64) -> tokio::time::Interval {
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / per_second));
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -803,10 +803,11 @@ const LATENCY_TURN: usize = 100;
 
 /// The latency floor and rowq's in-memory pickup in one run, both set up and idle at once,
 /// taking turns of [`LATENCY_TURN`] jobs, one insert every 1/rate seconds throughout: each
-/// side inserts its `latency_n` jobs one at a time at the rate, while the other is idle. Run
-/// one after the other, ~12 s apart, the floor's p50 moved by a third between pairs of one run
-/// (1.06–1.41 ms in run 34) with the machine; taking turns every second, both see the same
-/// minute, and their ratio is rowq's, not the machine's drift.
+/// side inserts its `latency_n` jobs one at a time at the rate, while the other is idle (a
+/// notification reaches only its own database's listeners). Run one after the other, ~12 s
+/// apart, the floor's p50 moved by a third between the pairs of one run with the machine; taking
+/// turns every second, both see the same minutes, and their ratio is rowq's, not the machine's
+/// drift (BENCHMARKS.md, the fifteenth round).
 async fn latency_pair(settings: &Settings) -> Result<Vec<Value>, Error> {
     let floor = LatencyFloor::start(settings).await?;
     let rowq = LatencyMemory::start(settings).await?;
