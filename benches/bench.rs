@@ -54,11 +54,8 @@ const WORKLOADS: [&str; 11] = [
 /// them. A drain pair takes a few seconds; the latency pair ~25 s, taken in turns
 /// ([`latency_pair`]); a LocalStack pair 25–55 s, so it runs two (their mean), which keeps a
 /// clean clone's `make bench` inside its 10-minute budget (BENCHMARKS.md, runs 29–33).
-const PAIRED: [([&str; 2], usize); 3] = [
-    (["sql-floor", "drain-memory"], 5),
-    (["latency-floor", "latency-memory"], 3),
-    (["raw-localstack", "drain-localstack"], 2),
-];
+const PAIRED: [([&str; 2], usize); 3] =
+    [(["sql-floor", "drain-memory"], 5), (LATENCY, 3), (["raw-localstack", "drain-localstack"], 2)];
 
 /// The system allocator, counting: how many times this process asked for memory (an allocation,
 /// or a reallocation that grew a block) and how many bytes, for the allocations per job the
@@ -189,10 +186,13 @@ async fn run() -> Result<(), Error> {
     Ok(())
 }
 
+/// The pickup-latency floor and rowq's in-memory pickup, which run in turns ([`latency_pair`]).
+const LATENCY: [&str; 2] = ["latency-floor", "latency-memory"];
+
 /// One run of each workload of `group` (a workload alone, or a pair with its floor): one after
 /// the other, but the latency pair in turns ([`latency_pair`]).
 async fn group_run(group: &[&str], settings: &Settings) -> Result<Vec<Value>, Error> {
-    if group == ["latency-floor", "latency-memory"] {
+    if group == LATENCY {
         return latency_pair(settings).await;
     }
     let mut results = Vec::new();
@@ -524,12 +524,41 @@ fn memory_consumers(
         .collect()
 }
 
-/// Runs a scheduler loop in the background until `stop` is sent.
-fn spawn_scheduler<P: rowq::Publisher + 'static>(
-    scheduler: Arc<Scheduler<P>>,
-) -> (watch::Sender<bool>, tokio::task::JoinHandle<rowq::dispatch::RunTotals>) {
-    let (stop, shutdown) = watch::channel(false);
-    (stop, tokio::spawn(async move { scheduler.run(shutdown, false).await }))
+/// A scheduler loop and the in-memory consumers, running in the background until [`stop`]ped.
+///
+/// [`stop`]: MemoryPipeline::stop
+struct MemoryPipeline {
+    halt: watch::Sender<bool>,
+    scheduling: tokio::task::JoinHandle<rowq::dispatch::RunTotals>,
+    stop: Arc<AtomicBool>,
+    consumers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl MemoryPipeline {
+    /// The consumers first, then the scheduler (on its own pool, opened before: [`scheduler`]).
+    fn spawn(
+        scheduler: Arc<Scheduler<Arc<MemoryPublisher>>>,
+        worker: Worker,
+        c: usize,
+        progress: Arc<Progress>,
+    ) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let consumers = memory_consumers(scheduler.clone(), Arc::new(worker), c, stop.clone(), progress);
+        let (halt, shutdown) = watch::channel(false);
+        let scheduling = tokio::spawn(async move { scheduler.run(shutdown, false).await });
+        MemoryPipeline { halt, scheduling, stop, consumers }
+    }
+
+    /// Stops the scheduler and the consumers after the batches in hand, and waits for them.
+    async fn stop(self) -> Result<(), Error> {
+        self.halt.send_replace(true);
+        self.stop.store(true, Ordering::Relaxed);
+        self.scheduling.await?;
+        for consumer in self.consumers {
+            consumer.await?;
+        }
+        Ok(())
+    }
 }
 
 // ---- workloads ----------------------------------------------------------------------------
@@ -644,14 +673,11 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
     let scheduler = Arc::new(
         scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
     );
-    let stop = Arc::new(AtomicBool::new(false));
     let cpu = CpuMeter::start();
     let allocations = AllocationMeter::start();
     let started = Instant::now();
     let progress = Progress::new();
-    let consumers =
-        memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone(), progress.clone());
-    let (halt, running) = spawn_scheduler(scheduler.clone());
+    let pipeline = MemoryPipeline::spawn(scheduler, worker(&pool), settings.c, progress.clone());
     progress.wait_for(settings.n as usize, Duration::from_secs(600)).await?;
     let throughput = rate(settings.n as f64, started.elapsed());
     let (cpu_us, client_cpu_us) = cpu.per(settings.n as f64);
@@ -667,12 +693,7 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
             return Err(format!("{wrong} of {} echo jobs stored a result that is not their payload", settings.n).into());
         }
     }
-    halt.send_replace(true);
-    stop.store(true, Ordering::Relaxed);
-    running.await?;
-    for consumer in consumers {
-        consumer.await?;
-    }
+    pipeline.stop().await?;
     drop_database(pool, &url).await;
     Ok(json!({
         "workload": if result_bytes == 0 { "drain" } else { "drain-results" }, "result_bytes": result_bytes,
@@ -743,10 +764,7 @@ impl LatencyFloor {
 struct LatencyMemory {
     pool: PgPool,
     url: String,
-    halt: watch::Sender<bool>,
-    scheduling: tokio::task::JoinHandle<rowq::dispatch::RunTotals>,
-    stop: Arc<AtomicBool>,
-    consumers: Vec<tokio::task::JoinHandle<()>>,
+    pipeline: MemoryPipeline,
 }
 
 impl LatencyMemory {
@@ -755,12 +773,9 @@ impl LatencyMemory {
         let scheduler = Arc::new(
             scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
         );
-        let stop = Arc::new(AtomicBool::new(false));
-        let consumers =
-            memory_consumers(scheduler.clone(), Arc::new(worker(&pool)), settings.c, stop.clone(), Progress::new());
-        let (halt, scheduling) = spawn_scheduler(scheduler);
+        let pipeline = MemoryPipeline::spawn(scheduler, worker(&pool), settings.c, Progress::new());
         tokio::time::sleep(Duration::from_millis(300)).await;
-        Ok(LatencyMemory { pool, url, halt, scheduling, stop, consumers })
+        Ok(LatencyMemory { pool, url, pipeline })
     }
 
     /// Waits for every job inserted (`jobs`, the warm-up's included) to succeed, stops the
@@ -769,12 +784,7 @@ impl LatencyMemory {
         wait_until_succeeded(&self.pool, jobs as i64, Duration::from_secs(60)).await?;
         let (_, (p50, p99, max)) = start_latencies(&self.pool, after).await?;
         let (run_p50, run_p99, _) = run_latencies(&self.pool, after).await?;
-        self.halt.send_replace(true);
-        self.stop.store(true, Ordering::Relaxed);
-        self.scheduling.await?;
-        for consumer in self.consumers {
-            consumer.await?;
-        }
+        self.pipeline.stop().await?;
         drop_database(self.pool, &self.url).await;
         Ok(json!({
             "workload": "latency", "transport": "memory", "p50_ms": p50, "p99_ms": p99, "max_ms": max,

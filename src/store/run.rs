@@ -6,7 +6,6 @@
 //! message started the job again) can no longer finish it, even though the generation is
 //! the same.
 
-use std::collections::HashSet;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -95,7 +94,7 @@ pub const SUCCEED_SQL: &str = r#"
 /// every joined row (for re-checks under concurrent updates) and hashes the join; with the
 /// success-only finish below this took Postgres's CPU per job in a drain from ~97 to ~83 µs.
 /// The position is `width_bucket(j.id, $1)`, a binary search, which needs `$1` in ascending
-/// order and each id once ([`start_arrays`] sorts, and a job named twice — a stale and a
+/// order and each id once (the callers sort, and a job named twice — a stale and a
 /// current message in batches combined into one statement — is asked again in a second
 /// statement). With an id of the array, the bucket it falls in is its own position.
 /// `array_position`, before, compared each row's id with the array's elements one by one:
@@ -119,9 +118,21 @@ pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Start
 
 /// [`start`] on one connection (the worker's, see [`step`]).
 async fn start_on(connection: &mut PgConnection, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
+    start_sorted(connection, by_id(requests)).await
+}
+
+/// Requests in ascending order of their jobs' ids; a job's own requests keep their order.
+fn by_id(requests: &[StartRequest]) -> Vec<&StartRequest> {
+    let mut sorted: Vec<&StartRequest> = requests.iter().collect();
+    sorted.sort_by_key(|r| r.id);
+    sorted
+}
+
+/// [`start_on`] of requests [`by_id`]: one statement for the first request naming each job,
+/// another for the next, and so on.
+async fn start_sorted(connection: &mut PgConnection, sorted: Vec<&StartRequest>) -> Result<Vec<Started>, sqlx::Error> {
     let mut started = Vec::new();
-    let mut rest: Vec<&StartRequest> = requests.iter().collect();
-    rest.sort_by_key(|r| r.id); // stable: a job's requests keep their order
+    let mut rest = sorted;
     while !rest.is_empty() {
         let (now, later) = first_per_job(rest);
         let (ids, gens, leases) = start_arrays(now);
@@ -134,9 +145,8 @@ async fn start_on(connection: &mut PgConnection, requests: &[StartRequest]) -> R
 }
 
 /// The arrays [`START_SQL`] binds as `$1..$3`: each request's job, generation and lease (ms),
-/// in ascending order of the jobs' ids, each job once (the statement's `width_bucket` needs it).
-fn start_arrays(mut requests: Vec<&StartRequest>) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
-    requests.sort_unstable_by_key(|r| r.id);
+/// of requests [`by_id`] naming each job once (the statement's `width_bucket` needs it).
+fn start_arrays(requests: Vec<&StartRequest>) -> (Vec<i64>, Vec<i64>, Vec<i64>) {
     let (mut ids, mut gens, mut leases) = (Vec::new(), Vec::new(), Vec::new());
     for request in requests {
         ids.push(request.id.0);
@@ -247,24 +257,23 @@ pub const FINISH_SQL: &str = r#"
 /// A batch of successes only, the common case, goes through [`SUCCEED_SQL`], which sets four
 /// columns and joins nothing; a mixed batch through [`FINISH_SQL`]. Both have the same guard.
 pub async fn finish<'e>(executor: impl PgExecutor<'e>, finishes: &[Finish]) -> Result<Vec<Finished>, sqlx::Error> {
-    finish_stored(executor, finishes, stored_results(finishes)).await
+    finish_by_job(executor, by_job(finishes, stored_results(finishes))).await
 }
 
-/// [`finish`], with each success's result already serialized ([`stored_results`]).
-async fn finish_stored<'e>(
+/// [`finish`] of finishes [`by_job`], each success's result already serialized
+/// ([`stored_results`]).
+async fn finish_by_job<'e>(
     executor: impl PgExecutor<'e>,
-    finishes: &[Finish],
-    results: Vec<Option<String>>,
+    rows: Vec<(&Finish, Option<String>)>,
 ) -> Result<Vec<Finished>, sqlx::Error> {
-    if finishes.is_empty() {
+    if rows.is_empty() {
         return Ok(Vec::new());
     }
     // SUCCEED_SQL finds each row's values by its position among the ids (see `start`), which
     // names one request per job. A job named twice (a stale and a current execution), found
     // next to itself once sorted, takes the joined statement, which takes any order.
-    let rows = by_job(finishes, results);
-    let each_job_once = rows.windows(2).all(|pair| pair[0].0.id != pair[1].0.id);
-    if each_job_once && rows.iter().all(|(_, result)| result.is_some()) {
+    let ids = || rows.iter().map(|(finish, _)| finish.id);
+    if each_job_once(ids(), std::iter::empty()) && rows.iter().all(|(_, result)| result.is_some()) {
         let (ids, gens, attempts, results) = success_arrays(rows);
         return sqlx::query_as(SUCCEED_SQL).bind(ids).bind(gens).bind(attempts).bind(results).fetch_all(executor).await;
     }
@@ -399,14 +408,17 @@ pub async fn step(connection: &mut PgConnection, steps: Vec<Step>) -> Result<Vec
             Step::Finish(finish) => finishes.push(finish),
         }
     }
-    let results = stored_results(&finishes);
+    // Both sorted once, by job: the binary searches of the statements need it, and the jobs
+    // named twice are found by walking the two lists side by side.
+    let (starts, finishes) = (by_id(&starts), by_job(&finishes, stored_results(&finishes)));
     let one_statement = !starts.is_empty()
         && !finishes.is_empty()
-        && results.iter().all(Option::is_some)
-        && each_job_once(&starts, &finishes);
+        && finishes.iter().all(|(_, result)| result.is_some())
+        && each_job_once(starts.iter().map(|r| r.id), finishes.iter().map(|(f, _)| f.id));
     if !one_statement {
-        let mut done: Vec<Done> = start_on(&mut *connection, &starts).await?.into_iter().map(Done::Started).collect();
-        done.extend(finish_stored(&mut *connection, &finishes, results).await?.into_iter().map(Done::Finished));
+        let mut done: Vec<Done> =
+            start_sorted(&mut *connection, starts).await?.into_iter().map(Done::Started).collect();
+        done.extend(finish_by_job(&mut *connection, finishes).await?.into_iter().map(Done::Finished));
         return Ok(done);
     }
     type Row = (
@@ -420,8 +432,8 @@ pub async fn step(connection: &mut PgConnection, steps: Vec<Step>) -> Result<Vec
         Option<String>,
         Option<DateTime<Utc>>,
     );
-    let (ids, gens, attempts, results) = success_arrays(by_job(&finishes, results));
-    let (start_ids, start_gens, leases) = start_arrays(starts.iter().collect());
+    let (ids, gens, attempts, results) = success_arrays(finishes);
+    let (start_ids, start_gens, leases) = start_arrays(starts);
     let rows: Vec<Row> = sqlx::query_as(STEP_SQL.as_str())
         .bind(ids)
         .bind(gens)
@@ -454,10 +466,22 @@ pub async fn step(connection: &mut PgConnection, steps: Vec<Step>) -> Result<Vec
         .collect()
 }
 
-/// Whether no job is named twice among the fences and the finishes of one statement.
-fn each_job_once(starts: &[StartRequest], finishes: &[Finish]) -> bool {
-    let mut seen = HashSet::with_capacity(starts.len() + finishes.len());
-    starts.iter().map(|r| r.id).chain(finishes.iter().map(|f| f.id)).all(|id| seen.insert(id))
+/// Whether no job is named twice in two lists of jobs, each in ascending order: within either
+/// list or across them (a merge of the two, each id compared with the one before).
+fn each_job_once(a: impl Iterator<Item = JobId>, b: impl Iterator<Item = JobId>) -> bool {
+    let (mut a, mut b) = (a.peekable(), b.peekable());
+    let mut previous = None;
+    loop {
+        let next = match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if x > y => b.next(),
+            (Some(_), _) => a.next(),
+            (None, _) => b.next(),
+        };
+        let Some(id) = next else { return true };
+        if previous.replace(id) == Some(id) {
+            return false;
+        }
+    }
 }
 
 /// Each success's result as `jsonb` accepts it; `None` for a retry or a failure.
@@ -569,6 +593,18 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn a_job_named_twice_is_found_within_either_sorted_list_and_across_them() {
+        let ids = |ids: &[i64]| ids.iter().map(|&id| JobId(id)).collect::<Vec<_>>().into_iter();
+        assert!(each_job_once(ids(&[1, 4, 9]), ids(&[2, 3, 10])));
+        assert!(each_job_once(ids(&[]), ids(&[])));
+        assert!(each_job_once(ids(&[5]), ids(&[])));
+        assert!(!each_job_once(ids(&[1, 4, 4]), ids(&[2])), "twice in the first");
+        assert!(!each_job_once(ids(&[1]), ids(&[2, 7, 7])), "twice in the second");
+        assert!(!each_job_once(ids(&[1, 4, 9]), ids(&[2, 9])), "once in each, last");
+        assert!(!each_job_once(ids(&[3]), ids(&[1, 3, 5])), "once in each, in the middle");
+    }
 
     #[test]
     fn a_nul_in_an_error_is_replaced_and_a_huge_error_is_cut_at_a_character_boundary() {
