@@ -52,7 +52,7 @@ const WORKLOADS: [&str; 11] = [
 /// On a shared two-core machine one run of a floor moves by a third from one minute to the next;
 /// a pair sees the same machine, and the median of several pairs is steadier than any one of
 /// them. A drain pair takes a few seconds; the latency pair ~25 s, taken in turns
-/// ([`latency_pair`]); a LocalStack pair 25–55 s, so it runs two (their mean), which keeps a
+/// ([`pickup_turns`]); a LocalStack pair 25–55 s, so it runs two (their mean), which keeps a
 /// clean clone's `make bench` inside its 10-minute budget (BENCHMARKS.md, runs 29–33).
 const PAIRED: [([&str; 2], usize); 3] =
     [(["sql-floor", "drain-memory"], 5), (LATENCY, 3), (["raw-localstack", "drain-localstack"], 2)];
@@ -186,14 +186,15 @@ async fn run() -> Result<(), Error> {
     Ok(())
 }
 
-/// The pickup-latency floor and rowq's in-memory pickup, which run in turns ([`latency_pair`]).
+/// The pickup-latency floor and rowq's in-memory pickup, which run in turns ([`pickup_turns`]).
 const LATENCY: [&str; 2] = ["latency-floor", "latency-memory"];
 
 /// One run of each workload of `group` (a workload alone, or a pair with its floor): one after
-/// the other, but the latency pair in turns ([`latency_pair`]).
+/// the other, but the in-memory pickup latencies, alone or with their floor, in turns
+/// ([`pickup_turns`]).
 async fn group_run(group: &[&str], settings: &Settings) -> Result<Vec<Value>, Error> {
-    if group == LATENCY {
-        return latency_pair(settings).await;
+    if group.iter().all(|workload| LATENCY.contains(workload)) {
+        return pickup_turns(group, settings).await;
     }
     let mut results = Vec::new();
     for workload in group {
@@ -209,8 +210,6 @@ async fn workload_run(name: &str, settings: &Settings) -> Result<Value, Error> {
         "dispatch-memory" => dispatch_memory(settings).await,
         "drain-memory" => drain_memory(settings, 0).await,
         "drain-memory-results" => drain_memory(settings, RESULT_BYTES).await,
-        "latency-floor" => latency_floor(settings).await,
-        "latency-memory" => latency_memory(settings).await,
         "raw-localstack" => raw_localstack(settings).await,
         "dispatch-localstack" => dispatch_localstack(settings).await,
         "drain-localstack" => drain_localstack(settings).await,
@@ -778,10 +777,11 @@ impl LatencyMemory {
         Ok(LatencyMemory { pool, url, pipeline })
     }
 
-    /// Waits for every job inserted (`jobs`, the warm-up's included) to succeed, stops the
-    /// pipeline; the latencies of the rows after `after`.
-    async fn finish(self, jobs: usize, after: i64) -> Result<Value, Error> {
-        wait_until_succeeded(&self.pool, jobs as i64, Duration::from_secs(60)).await?;
+    /// Waits for every job inserted (the warm-up's and the `latency_n` measured) to succeed,
+    /// stops the pipeline; the latencies of the rows after `after`.
+    async fn finish(self, settings: &Settings, after: i64) -> Result<Value, Error> {
+        let jobs = (settings.latency_n + WARM_UP_JOBS) as i64;
+        wait_until_succeeded(&self.pool, jobs, Duration::from_secs(60)).await?;
         let (_, (p50, p99, max)) = start_latencies(&self.pool, after).await?;
         let (run_p50, run_p99, _) = run_latencies(&self.pool, after).await?;
         self.pipeline.stop().await?;
@@ -793,45 +793,70 @@ impl LatencyMemory {
     }
 }
 
-async fn latency_floor(settings: &Settings) -> Result<Value, Error> {
-    let floor = LatencyFloor::start(settings).await?;
-    let after = warm_up(&floor.pool, settings.rate).await?;
-    trickle(&floor.pool, settings.latency_n, settings.rate).await?;
-    floor.finish(after).await
+/// One side of the pickup-latency measurement: the floor, or rowq's in-memory pipeline.
+enum Pickup {
+    Floor(LatencyFloor),
+    Memory(LatencyMemory),
 }
 
-async fn latency_memory(settings: &Settings) -> Result<Value, Error> {
-    let rowq = LatencyMemory::start(settings).await?;
-    let after = warm_up(&rowq.pool, settings.rate).await?;
-    trickle(&rowq.pool, settings.latency_n, settings.rate).await?;
-    rowq.finish(settings.latency_n + WARM_UP_JOBS, after).await
+impl Pickup {
+    /// Sets up the side `workload` names ([`LATENCY`]), idle.
+    async fn start(workload: &str, settings: &Settings) -> Result<Self, Error> {
+        Ok(match workload {
+            "latency-floor" => Pickup::Floor(LatencyFloor::start(settings).await?),
+            _ => Pickup::Memory(LatencyMemory::start(settings).await?),
+        })
+    }
+
+    fn pool(&self) -> &PgPool {
+        match self {
+            Pickup::Floor(floor) => &floor.pool,
+            Pickup::Memory(rowq) => &rowq.pool,
+        }
+    }
+
+    async fn finish(self, settings: &Settings, after: i64) -> Result<Value, Error> {
+        match self {
+            Pickup::Floor(floor) => floor.finish(after).await,
+            Pickup::Memory(rowq) => rowq.finish(settings, after).await,
+        }
+    }
 }
 
-/// How many jobs the interleaved latency pair inserts into one side before it turns to the
-/// other: a second at 100/s.
+/// How many jobs the pickup latencies insert into one side before turning to the next: a
+/// second at 100/s.
 const LATENCY_TURN: usize = 100;
 
-/// The latency floor and rowq's in-memory pickup in one run, both set up and idle at once,
-/// taking turns of [`LATENCY_TURN`] jobs, one insert every 1/rate seconds throughout: each
-/// side inserts its `latency_n` jobs one at a time at the rate, while the other is idle (a
-/// notification reaches only its own database's listeners). Run one after the other, ~12 s
-/// apart, the floor's p50 moved by a third between the pairs of one run with the machine; taking
-/// turns every second, both see the same minutes, and their ratio is rowq's, not the machine's
-/// drift (BENCHMARKS.md, the fifteenth round).
-async fn latency_pair(settings: &Settings) -> Result<Vec<Value>, Error> {
-    let floor = LatencyFloor::start(settings).await?;
-    let rowq = LatencyMemory::start(settings).await?;
-    let floor_after = warm_up(&floor.pool, settings.rate).await?;
-    let rowq_after = warm_up(&rowq.pool, settings.rate).await?;
+/// The pickup latencies `workloads` names (the floor, rowq's in-memory pickup, or both), all set
+/// up and idle at once, taking turns of [`LATENCY_TURN`] jobs, one insert every 1/rate seconds
+/// throughout: each side inserts its `latency_n` jobs one at a time at the rate, while the others
+/// are idle (a notification reaches only its own database's listeners). Run one after the other,
+/// ~12 s apart, the floor's p50 moved by a third between the pairs of one run with the machine;
+/// taking turns every second, both see the same minutes, and their ratio is rowq's, not the
+/// machine's drift (BENCHMARKS.md, the fifteenth round). Alone, a side is one trickle at the rate.
+async fn pickup_turns(workloads: &[&str], settings: &Settings) -> Result<Vec<Value>, Error> {
+    let mut sides = Vec::new();
+    for workload in workloads {
+        sides.push(Pickup::start(workload, settings).await?);
+    }
+    let mut afters = Vec::new();
+    for side in &sides {
+        afters.push(warm_up(side.pool(), settings.rate).await?);
+    }
     let mut ticks = ticker(settings.rate);
     let mut left = settings.latency_n;
     while left > 0 {
         let turn = left.min(LATENCY_TURN);
-        trickle_on(&mut ticks, &floor.pool, turn).await?;
-        trickle_on(&mut ticks, &rowq.pool, turn).await?;
+        for side in &sides {
+            trickle_on(&mut ticks, side.pool(), turn).await?;
+        }
         left -= turn;
     }
-    Ok(vec![floor.finish(floor_after).await?, rowq.finish(settings.latency_n + WARM_UP_JOBS, rowq_after).await?])
+    let mut results = Vec::new();
+    for (side, after) in sides.into_iter().zip(afters) {
+        results.push(side.finish(settings, after).await?);
+    }
+    Ok(results)
 }
 
 /// What the same LocalStack does for plain send + receive + delete of N FIFO messages.
