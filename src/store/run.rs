@@ -113,12 +113,7 @@ pub const SUCCEED_SQL: &str = r#"
 /// [`finish`]'s statements do the same (the joined one since round 14: a quiet queue whose jobs
 /// failed had it planned per job).
 pub async fn start(pool: &PgPool, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
-    start_on(&mut *pool.acquire().await?, requests).await
-}
-
-/// [`start`] on one connection (the worker's, see [`step`]).
-async fn start_on(connection: &mut PgConnection, requests: &[StartRequest]) -> Result<Vec<Started>, sqlx::Error> {
-    start_sorted(connection, by_id(requests)).await
+    start_sorted(&mut *pool.acquire().await?, by_id(requests)).await
 }
 
 /// Requests in ascending order of their jobs' ids; a job's own requests keep their order.
@@ -128,8 +123,8 @@ fn by_id(requests: &[StartRequest]) -> Vec<&StartRequest> {
     sorted
 }
 
-/// [`start_on`] of requests [`by_id`]: one statement for the first request naming each job,
-/// another for the next, and so on.
+/// [`start`] of requests [`by_id`], on one connection (the worker's, see [`step`]): one statement
+/// for the first request naming each job, another for the next, and so on.
 async fn start_sorted(connection: &mut PgConnection, sorted: Vec<&StartRequest>) -> Result<Vec<Started>, sqlx::Error> {
     let mut started = Vec::new();
     let mut rest = sorted;
