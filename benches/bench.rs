@@ -160,6 +160,9 @@ async fn run() -> Result<(), Error> {
 
     // BENCH_ONLY=drain-memory,sql-floor runs just those, in this order.
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    if let Some(unknown) = only.split(',').map(str::trim).find(|w| !w.is_empty() && !WORKLOADS.contains(w)) {
+        return Err(format!("BENCH_ONLY names {unknown:?}, which is none of: {}", WORKLOADS.join(", ")).into());
+    }
     let wanted = |name: &str| only.is_empty() || only.split(',').any(|w| w.trim() == name);
     let pairs = |default: usize| number("BENCH_PAIRS", default as f64).max(1.0) as usize;
     let mut ran: Vec<&str> = Vec::new();
@@ -189,11 +192,14 @@ async fn run() -> Result<(), Error> {
 /// The pickup-latency floor and rowq's in-memory pickup, which run in turns ([`pickup_turns`]).
 const LATENCY: [&str; 2] = ["latency-floor", "latency-memory"];
 
+/// Every pickup-latency workload: the pair above and rowq's pickup through LocalStack, each a
+/// side of [`pickup_turns`] ([`Pickup`]).
+const PICKUPS: [&str; 3] = ["latency-floor", "latency-memory", "latency-localstack"];
+
 /// One run of each workload of `group` (a workload alone, or a pair with its floor): one after
-/// the other, but the in-memory pickup latencies, alone or with their floor, in turns
-/// ([`pickup_turns`]).
+/// the other, but pickup latencies, alone or with their floor, in turns ([`pickup_turns`]).
 async fn group_run(group: &[&str], settings: &Settings) -> Result<Vec<Value>, Error> {
-    if group.iter().all(|workload| LATENCY.contains(workload)) {
+    if group.iter().all(|workload| PICKUPS.contains(workload)) {
         return pickup_turns(group, settings).await;
     }
     let mut results = Vec::new();
@@ -213,7 +219,7 @@ async fn workload_run(name: &str, settings: &Settings) -> Result<Value, Error> {
         "raw-localstack" => raw_localstack(settings).await,
         "dispatch-localstack" => dispatch_localstack(settings).await,
         "drain-localstack" => drain_localstack(settings).await,
-        _ => latency_localstack(settings).await,
+        other => Err(format!("{other} is not a workload that runs on its own").into()),
     }
 }
 
@@ -777,12 +783,10 @@ impl LatencyMemory {
         Ok(LatencyMemory { pool, url, pipeline })
     }
 
-    /// Waits for every job inserted (the warm-up's and the `latency_n` measured) to succeed,
-    /// stops the pipeline; the latencies of the rows after `after`.
+    /// Waits for every job inserted to succeed, stops the pipeline; the latencies of the rows
+    /// after `after`.
     async fn finish(self, settings: &Settings, after: i64) -> Result<Value, Error> {
-        let jobs = (settings.latency_n + WARM_UP_JOBS) as i64;
-        wait_until_succeeded(&self.pool, jobs, Duration::from_secs(60)).await?;
-        let (_, (p50, p99, max)) = start_latencies(&self.pool, after).await?;
+        let (p50, p99, max) = picked_up(&self.pool, settings, after).await?;
         let (run_p50, run_p99, _) = run_latencies(&self.pool, after).await?;
         self.pipeline.stop().await?;
         drop_database(self.pool, &self.url).await;
@@ -793,18 +797,83 @@ impl LatencyMemory {
     }
 }
 
-/// One side of the pickup-latency measurement: the floor, or rowq's in-memory pipeline.
+/// rowq's pickup path through LocalStack: the scheduler and the local event source's pollers
+/// (`rowq::pipeline`), idle until jobs are inserted, on a database and queues of their own,
+/// until [`finish`]ed.
+///
+/// [`finish`]: LatencyLocalStack::finish
+struct LatencyLocalStack {
+    pool: PgPool,
+    url: String,
+    client: aws_sdk_sqs::Client,
+    queues: rowq::sqs::QueuePair,
+    pipeline: Pipeline,
+}
+
+impl LatencyLocalStack {
+    async fn start(settings: &Settings) -> Result<Self, Error> {
+        let (pool, url) = database(settings, "latency_ls").await?;
+        let client = common::sqs().await;
+        let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+        let config = PipelineConfig {
+            scheduler: scheduler_config(settings, &url, &queues.queue_url),
+            event_source: EventSourceConfig {
+                queue_url: queues.queue_url.clone(),
+                dlq_url: None,
+                pollers: settings.c,
+                wait: Duration::from_secs(1),
+                function_timeout: Duration::from_secs(60),
+            },
+            schedulers: 1,
+        };
+        let scheduler_pool = rowq::store::connect_scheduler(&config.scheduler.database).await?;
+        let pipeline = Pipeline::start(scheduler_pool, client.clone(), worker(&pool), config).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(LatencyLocalStack { pool, url, client, queues, pipeline })
+    }
+
+    /// Waits for every job inserted to succeed, stops the pipeline and deletes the queues; the
+    /// latencies of the rows after `after`.
+    async fn finish(self, settings: &Settings, after: i64) -> Result<Value, Error> {
+        let (p50, p99, max) = picked_up(&self.pool, settings, after).await?;
+        self.pipeline.stop().await;
+        let unfinished: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE state <> $1")
+            .bind(JobState::Succeeded)
+            .fetch_one(&self.pool)
+            .await?;
+        drop_queues(&self.client, &self.queues).await;
+        drop_database(self.pool, &self.url).await;
+        Ok(json!({
+            "workload": "latency", "transport": "localstack", "p50_ms": p50, "p99_ms": p99, "max_ms": max,
+            "unfinished": unfinished,
+        }))
+    }
+}
+
+/// Waits for every job a side of [`pickup_turns`] was given (the warm-up's and the `latency_n`
+/// measured) to succeed; the p50, p99 and max insert → start of the rows after `after`.
+async fn picked_up(pool: &PgPool, settings: &Settings, after: i64) -> Result<(f64, f64, f64), Error> {
+    let jobs = (settings.latency_n + WARM_UP_JOBS) as i64;
+    wait_until_succeeded(pool, jobs, Duration::from_secs(60)).await?;
+    Ok(start_latencies(pool, after).await?.1)
+}
+
+/// One side of the pickup-latency measurement: the floor, or rowq's pipeline in memory or
+/// through LocalStack.
 enum Pickup {
     Floor(LatencyFloor),
     Memory(LatencyMemory),
+    LocalStack(LatencyLocalStack),
 }
 
 impl Pickup {
-    /// Sets up the side `workload` names ([`LATENCY`]), idle.
+    /// Sets up the side `workload` names ([`PICKUPS`]), idle.
     async fn start(workload: &str, settings: &Settings) -> Result<Self, Error> {
         Ok(match workload {
             "latency-floor" => Pickup::Floor(LatencyFloor::start(settings).await?),
-            _ => Pickup::Memory(LatencyMemory::start(settings).await?),
+            "latency-memory" => Pickup::Memory(LatencyMemory::start(settings).await?),
+            "latency-localstack" => Pickup::LocalStack(LatencyLocalStack::start(settings).await?),
+            other => return Err(format!("{other} is not a pickup-latency workload").into()),
         })
     }
 
@@ -812,6 +881,7 @@ impl Pickup {
         match self {
             Pickup::Floor(floor) => &floor.pool,
             Pickup::Memory(rowq) => &rowq.pool,
+            Pickup::LocalStack(rowq) => &rowq.pool,
         }
     }
 
@@ -819,6 +889,7 @@ impl Pickup {
         match self {
             Pickup::Floor(floor) => floor.finish(after).await,
             Pickup::Memory(rowq) => rowq.finish(settings, after).await,
+            Pickup::LocalStack(rowq) => rowq.finish(settings, after).await,
         }
     }
 }
@@ -827,8 +898,8 @@ impl Pickup {
 /// second at 100/s.
 const LATENCY_TURN: usize = 100;
 
-/// The pickup latencies `workloads` names (the floor, rowq's in-memory pickup, or both), all set
-/// up and idle at once, taking turns of [`LATENCY_TURN`] jobs, one insert every 1/rate seconds
+/// The pickup latencies `workloads` names ([`PICKUPS`]: the floor and rowq's in-memory pickup,
+/// or either, or rowq's pickup through LocalStack), all set up and idle at once, taking turns of [`LATENCY_TURN`] jobs, one insert every 1/rate seconds
 /// throughout: each side inserts its `latency_n` jobs one at a time at the rate, while the others
 /// are idle (a notification reaches only its own database's listeners). Run one after the other,
 /// ~12 s apart, the floor's p50 moved by a third between the pairs of one run with the machine;
@@ -989,40 +1060,6 @@ async fn drain_localstack(settings: &Settings) -> Result<Value, Error> {
         "workload": "drain", "transport": "localstack", "jobs_per_s": throughput, "pollers": settings.c,
         "scheduler_peak_rss_mb": scheduler_mb, "runner_peak_rss_mb": runner_mb,
     }))
-}
-
-async fn latency_localstack(settings: &Settings) -> Result<Value, Error> {
-    let (pool, url) = database(settings, "latency_ls").await?;
-    let client = common::sqs().await;
-    let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
-    let config = PipelineConfig {
-        scheduler: scheduler_config(settings, &url, &queues.queue_url),
-        event_source: EventSourceConfig {
-            queue_url: queues.queue_url.clone(),
-            dlq_url: None,
-            pollers: settings.c,
-            wait: Duration::from_secs(1),
-            function_timeout: Duration::from_secs(60),
-        },
-        schedulers: 1,
-    };
-    let scheduler_pool = rowq::store::connect_scheduler(&config.scheduler.database).await?;
-    let pipeline = Pipeline::start(scheduler_pool, client.clone(), worker(&pool), config).await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let after = warm_up(&pool, settings.rate).await?;
-    trickle(&pool, settings.latency_n, settings.rate).await?;
-    wait_until_succeeded(&pool, (settings.latency_n + WARM_UP_JOBS) as i64, Duration::from_secs(60)).await?;
-    let (_, (p50, p99, max)) = start_latencies(&pool, after).await?;
-    pipeline.stop().await;
-    let stuck: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE state <> $1")
-        .bind(JobState::Succeeded)
-        .fetch_one(&pool)
-        .await?;
-    drop_queues(&client, &queues).await;
-    drop_database(pool, &url).await;
-    Ok(
-        json!({"workload": "latency", "transport": "localstack", "p50_ms": p50, "p99_ms": p99, "max_ms": max, "unfinished": stuck}),
-    )
 }
 
 // ---- report -------------------------------------------------------------------------------
