@@ -53,7 +53,7 @@ const WORKLOADS: [&str; 11] = [
 /// a pair sees the same machine, and the median of several pairs is steadier than any one of
 /// them. A drain pair takes a few seconds; the latency pair ~25 s, taken in turns
 /// ([`pickup_turns`]); a LocalStack pair 25–55 s, so it runs two (their mean), which keeps a
-/// clean clone's `make bench` inside its 10-minute budget (BENCHMARKS.md, runs 29–33).
+/// clean clone's `make bench` inside its 10-minute budget (docs/benchmarks-log.md, runs 29–33).
 const PAIRED: [([&str; 2], usize); 3] =
     [(["sql-floor", "drain-memory"], 5), (LATENCY, 3), (["raw-localstack", "drain-localstack"], 2)];
 
@@ -899,12 +899,13 @@ impl Pickup {
 const LATENCY_TURN: usize = 100;
 
 /// The pickup latencies `workloads` names ([`PICKUPS`]: the floor and rowq's in-memory pickup,
-/// or either, or rowq's pickup through LocalStack), all set up and idle at once, taking turns of [`LATENCY_TURN`] jobs, one insert every 1/rate seconds
-/// throughout: each side inserts its `latency_n` jobs one at a time at the rate, while the others
-/// are idle (a notification reaches only its own database's listeners). Run one after the other,
-/// ~12 s apart, the floor's p50 moved by a third between the pairs of one run with the machine;
-/// taking turns every second, both see the same minutes, and their ratio is rowq's, not the
-/// machine's drift (BENCHMARKS.md, the fifteenth round). Alone, a side is one trickle at the rate.
+/// or either, or rowq's pickup through LocalStack), all set up and idle at once, taking turns of
+/// [`LATENCY_TURN`] jobs, one insert every 1/rate seconds throughout: each side inserts its
+/// `latency_n` jobs one at a time at the rate, while the others are idle (a notification reaches
+/// only its own database's listeners). Run one after the other, ~12 s apart, the floor's p50
+/// moved by a third between the pairs of one run with the machine; taking turns every second,
+/// both see the same minutes, and their ratio is rowq's, not the machine's drift
+/// (docs/benchmarks-log.md, the fifteenth round). Alone, a side is one trickle at the rate.
 async fn pickup_turns(workloads: &[&str], settings: &Settings) -> Result<Vec<Value>, Error> {
     let mut sides = Vec::new();
     for workload in workloads {
