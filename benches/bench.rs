@@ -152,6 +152,7 @@ async fn run() -> Result<(), Error> {
         settings.rate,
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    sweep_left_behind().await?;
     let mut results: Vec<Value> = Vec::new();
     let mut emit = |value: Value| {
         println!("{value}");
@@ -236,6 +237,30 @@ async fn database(settings: &Settings, name: &str) -> Result<(PgPool, String), E
     let pool = rowq::store::connect(&config).await?;
     rowq::store::migrate(&pool).await?;
     Ok((pool, url))
+}
+
+/// Drops the databases an earlier benchmark process left behind: stopped by Ctrl-C or a panic,
+/// or failed in a workload before the workload's own [`drop_database`]. A database is left behind
+/// when the process its name carries (`rowq_bench_<pid>_…`, [`database`]) no longer runs on this
+/// machine and nothing is connected to it, so a benchmark running elsewhere against the same
+/// server keeps its databases.
+async fn sweep_left_behind() -> Result<(), Error> {
+    let pool = PgPool::connect(&common::database_config().url).await?;
+    let idle: Vec<String> = sqlx::query_scalar(
+        "SELECT datname FROM pg_database d WHERE starts_with(datname, 'rowq_bench_')
+           AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
+    )
+    .fetch_all(&pool)
+    .await?;
+    pool.close().await;
+    for name in idle {
+        let pid = name.strip_prefix("rowq_bench_").and_then(|rest| rest.split('_').next()?.parse::<u32>().ok());
+        if pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
+            Postgres::force_drop_database(&common::database_url(&name)).await?;
+            eprintln!("bench: dropped {name}, left behind by an earlier run");
+        }
+    }
+    Ok(())
 }
 
 async fn drop_database(pool: PgPool, url: &str) {

@@ -146,7 +146,8 @@ pub fn worker_config() -> WorkerConfig {
     }
 }
 
-fn database_config() -> DatabaseConfig {
+/// The test server (`DATABASE_URL`, default the local `test` database) as rowq configures a pool.
+pub fn database_config() -> DatabaseConfig {
     DatabaseConfig {
         url: std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
         pool_size: 4,
