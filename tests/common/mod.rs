@@ -146,8 +146,7 @@ pub fn worker_config() -> WorkerConfig {
     }
 }
 
-/// The test server (`DATABASE_URL`, default the local `test` database) as rowq configures a pool.
-pub fn database_config() -> DatabaseConfig {
+fn database_config() -> DatabaseConfig {
     DatabaseConfig {
         url: std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
         pool_size: 4,
@@ -186,7 +185,11 @@ pub fn database_with(max_connections: u32) -> impl Future<Output = PgPool> {
     let file = std::path::Path::new(caller.file()).file_stem().and_then(|stem| stem.to_str()).unwrap_or("test");
     let name = format!("{TEST_DATABASE_PREFIX}{}_{file}_{}", std::process::id(), caller.line());
     async move {
-        LEFT_BY_GONE_RUNS_DROPPED.get_or_init(drop_databases_of_gone_runs).await;
+        LEFT_BY_GONE_RUNS_DROPPED
+            .get_or_init(|| async {
+                drop_databases_of_gone_runs(TEST_DATABASE_PREFIX).await;
+            })
+            .await;
         let url = database_url(&name);
         sqlx::Postgres::create_database(&url).await.unwrap_or_else(|e| panic!("create database {name}: {e}"));
         let pool = PgPoolOptions::new()
@@ -232,24 +235,32 @@ const TEST_DATABASE_PREFIX: &str = "rowq_test_";
 
 static LEFT_BY_GONE_RUNS_DROPPED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
-/// Drops the test databases whose process no longer runs (Linux only: elsewhere, none).
-async fn drop_databases_of_gone_runs() {
+/// Drops the databases named `<prefix><pid>_…` that a process which no longer runs left behind
+/// (a failed test's, or a benchmark stopped half-way), and returns their names. A database
+/// somebody is connected to stays: a run on another machine against the same server may own it.
+/// Linux only: elsewhere, none is dropped.
+pub async fn drop_databases_of_gone_runs(prefix: &str) -> Vec<String> {
     let names: Vec<String> = {
         let mut server = sqlx::PgConnection::connect(&database_config().url).await.expect("connect to DATABASE_URL");
-        sqlx::query_scalar("SELECT datname FROM pg_database WHERE starts_with(datname, $1)")
-            .bind(TEST_DATABASE_PREFIX)
-            .fetch_all(&mut server)
-            .await
-            .expect("list the test databases")
+        sqlx::query_scalar(
+            "SELECT datname FROM pg_database d WHERE starts_with(datname, $1)
+               AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
+        )
+        .bind(prefix)
+        .fetch_all(&mut server)
+        .await
+        .expect("list the databases of earlier runs")
     };
+    let mut dropped = Vec::new();
     for name in names {
-        let pid = name[TEST_DATABASE_PREFIX.len()..].split('_').next().unwrap_or_default();
+        let pid = name[prefix.len()..].split('_').next().unwrap_or_default();
         let gone = cfg!(target_os = "linux") && !std::path::Path::new("/proc").join(pid).exists();
-        if gone {
-            // Another process may be dropping it too: a failure here is only a leftover.
-            let _ = sqlx::Postgres::force_drop_database(&database_url(&name)).await;
+        // Another process may be dropping it too: a failure here is only a leftover.
+        if gone && sqlx::Postgres::force_drop_database(&database_url(&name)).await.is_ok() {
+            dropped.push(name);
         }
     }
+    dropped
 }
 
 /// Settings that open a pool of rowq's own (`rowq::store::connect*`) on the test's database.
