@@ -1,6 +1,7 @@
 //! The scheduler: claim → publish → report, in a loop that wakes on `NOTIFY`, on the next
-//! `run_at`, and on a poll interval. [`Scheduler::run_once`] is one pass, used by the loop,
-//! by `scheduler --once` and by the tests.
+//! `run_at`, on a rescue and on a poll interval, with maintenance (rescue, prune) running
+//! beside it. [`Scheduler::run_once`] is one pass, used by the loop, by `scheduler --once`
+//! and by the tests.
 //!
 //! The claim commits before anything is sent: no transaction is held open across an SQS
 //! call. A message that fails to publish puts its row back to `pending` (guarded by the
@@ -15,7 +16,7 @@ use futures::future::OptionFuture;
 use futures::stream::FuturesUnordered;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use crate::config::SchedulerConfig;
 use crate::job::{JobId, JobMessage};
@@ -265,15 +266,37 @@ impl<P: Publisher> Scheduler<P> {
     }
 
     /// [`Scheduler::run`] with an explicit end: a scheduled Lambda drains until its deadline.
-    pub async fn run_until(
+    ///
+    /// Maintenance (rescue, prune) runs beside the dispatch loop, every `maintenance_interval`,
+    /// not in it: a pass that prunes 50,000 rows or rescues a dead worker's thousands takes
+    /// hundreds of milliseconds, and no due job should wait for it. A rescue wakes the loop,
+    /// since the rows it put back to `pending` send no notification. With `once`, the first
+    /// maintenance runs before the first claim, so what it rescues goes out in this run.
+    pub async fn run_until(&self, shutdown: watch::Receiver<bool>, once: bool, stop_at: Option<Instant>) -> RunTotals {
+        let rescued = Notify::new();
+        let (stopped, dispatch_stopped) = watch::channel(false);
+        if once {
+            self.maintain(&rescued).await;
+        }
+        let dispatching = async {
+            let totals = self.dispatch_until(shutdown, once, stop_at, &rescued).await;
+            stopped.send_replace(true);
+            totals
+        };
+        let (totals, ()) = tokio::join!(dispatching, self.maintain_until(dispatch_stopped, &rescued, once));
+        totals
+    }
+
+    /// The dispatch loop of [`Scheduler::run_until`]: passes, and waits between them.
+    async fn dispatch_until(
         &self,
         mut shutdown: watch::Receiver<bool>,
         once: bool,
         stop_at: Option<Instant>,
+        rescued: &Notify,
     ) -> RunTotals {
         let mut totals = RunTotals::default();
         let mut listener: Option<PgListener> = None;
-        let mut next_maintenance = Instant::now();
         let mut backoff = ERROR_BACKOFF_MIN;
         let stop = loop {
             if *shutdown.borrow() {
@@ -286,17 +309,11 @@ impl<P: Publisher> Scheduler<P> {
             if listener.is_none() && !once {
                 listener = self.listen().await;
             }
-            if Instant::now() >= next_maintenance {
-                self.maintain().await;
-                next_maintenance = Instant::now() + self.config.maintenance_interval;
-            }
 
             totals.passes += 1;
-            // A long backlog is one pass of back-to-back claims; it yields to a shutdown, the
-            // end of the budget and maintenance between two claims.
-            let keep_claiming = || {
-                !*shutdown.borrow() && stop_at.is_none_or(|at| Instant::now() < at) && Instant::now() < next_maintenance
-            };
+            // A long backlog is one pass of back-to-back claims; it yields to a shutdown and the
+            // end of the budget between two claims.
+            let keep_claiming = || !*shutdown.borrow() && stop_at.is_none_or(|at| Instant::now() < at);
             let (report, error) = self.pass(listener.as_mut(), keep_claiming).await;
             totals.claimed += report.claimed as u64;
             totals.published += report.published as u64;
@@ -324,6 +341,7 @@ impl<P: Publisher> Scheduler<P> {
             let woke_by_listener = tokio::select! {
                 _ = shutdown.changed() => false,
                 _ = tokio::time::sleep(wait) => false,
+                _ = rescued.notified() => false,
                 notification = recv(&mut listener) => match notification {
                     Ok(true) => true,
                     Ok(false) => false,
@@ -372,10 +390,35 @@ impl<P: Publisher> Scheduler<P> {
         }
     }
 
-    async fn maintain(&self) {
+    /// Maintenance every `maintenance_interval` until the dispatch loop has stopped; the pass
+    /// in progress then completes. Starts with a pass unless `waited` (one already ran).
+    async fn maintain_until(&self, mut dispatch_stopped: watch::Receiver<bool>, rescued: &Notify, waited: bool) {
+        let mut wait = waited;
+        loop {
+            if wait {
+                tokio::select! {
+                    _ = tokio::time::sleep(self.config.maintenance_interval) => {}
+                    _ = dispatch_stopped.wait_for(|stopped| *stopped) => return,
+                }
+            }
+            if *dispatch_stopped.borrow() {
+                return;
+            }
+            self.maintain(rescued).await;
+            wait = true;
+        }
+    }
+
+    /// One maintenance pass; wakes the dispatch loop if it rescued a row.
+    async fn maintain(&self, rescued: &Notify) {
         match maintenance::run_once(&self.pool, self.config.retention).await {
             Ok(report) if report.is_empty() => {}
-            Ok(report) => tracing::info!(?report, "maintenance"),
+            Ok(report) => {
+                if report.rescued_dispatched + report.rescued_running > 0 {
+                    rescued.notify_one();
+                }
+                tracing::info!(?report, "maintenance");
+            }
             Err(error) => tracing::warn!(error = %error, "maintenance failed; will retry"),
         }
     }

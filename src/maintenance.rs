@@ -1,5 +1,6 @@
 //! Scheduler maintenance: rescue rows whose owner went away, prune old finished rows.
-//! [`run_once`] is called by the scheduler loop every `maintenance_interval`, and by tests.
+//! [`run_once`] is called by the scheduler every `maintenance_interval`, beside its dispatch
+//! loop (`dispatch::Scheduler::run_until`), and by tests.
 
 use std::time::Duration;
 

@@ -424,6 +424,104 @@ async fn a_shutdown_signal_stops_an_idle_scheduler() {
     tokio::time::timeout(Duration::from_secs(10), running).await.expect("the scheduler ignored shutdown").unwrap();
 }
 
+/// A job that falls due while the scheduler's maintenance is held up is still dispatched.
+#[tokio::test]
+async fn a_long_maintenance_pass_does_not_hold_up_dispatch() {
+    let pool = common::database().await;
+    // The prune's DELETE waits for an advisory lock that this test holds: maintenance stays in
+    // its pass for as long as the test wants, as a prune of 50,000 rows would for a while.
+    for statement in [
+        "CREATE FUNCTION wait_for_the_test() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$",
+        "CREATE TRIGGER held_prune BEFORE DELETE ON rowq.jobs FOR EACH STATEMENT EXECUTE FUNCTION wait_for_the_test()",
+    ] {
+        sqlx::query(statement).execute(&pool).await.unwrap();
+    }
+    let mut holder = pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(4242)").execute(&mut *holder).await.unwrap();
+    let old = common::enqueue(&pool, "noop", json!({})).await;
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() - interval '2 hours' WHERE id = $1")
+        .bind(old)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.retention = Duration::from_secs(3600);
+    config.poll_interval = Duration::from_secs(600);
+    let scheduler = Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config));
+    let (stop, shutdown) = watch::channel(false);
+    let running = tokio::spawn({
+        let scheduler = scheduler.clone();
+        async move { scheduler.run(shutdown, false).await }
+    });
+    common::eventually(Duration::from_secs(30), "the prune to wait for the test's lock", || {
+        let pool = pool.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                   AND wait_event_type = 'Lock' AND query LIKE '%DELETE FROM rowq.jobs%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            (waiting == 1).then_some(())
+        }
+    })
+    .await;
+
+    let due = common::enqueue(&pool, "noop", json!({})).await;
+    wait_dispatched(&pool, due, "the job enqueued while maintenance was held up").await;
+    let sent: Vec<JobId> = scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect();
+    assert_eq!(sent, vec![due]);
+    assert!(admin::get(&pool, old).await.unwrap().is_some(), "pruned while the prune was held");
+
+    // A shutdown lets the maintenance pass in progress finish.
+    sqlx::query("SELECT pg_advisory_unlock(4242)").execute(&mut *holder).await.unwrap();
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), running).await.expect("the scheduler did not stop").unwrap();
+    assert!(admin::get(&pool, old).await.unwrap().is_none(), "the held prune did not complete");
+}
+
+/// Rows that a rescue puts back to `pending` send no notification: the rescue wakes the loop.
+#[tokio::test]
+async fn a_row_rescued_by_maintenance_is_dispatched_without_waiting_for_the_poll() {
+    let pool = common::database().await;
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    // A scheduler that crashed after claiming, with a lease that ends after the loop below has
+    // gone idle (its first pass finds nothing due).
+    claim_due(&pool, "default", 1, Duration::from_millis(800)).await.unwrap();
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.poll_interval = Duration::from_secs(600);
+    config.maintenance_interval = Duration::from_millis(200);
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    let (stop, shutdown) = watch::channel(false);
+    let running = tokio::spawn(async move { scheduler.run(shutdown, false).await });
+    common::eventually(Duration::from_secs(30), "the rescued row to be claimed again", || {
+        let pool = pool.clone();
+        async move {
+            let row = common::job(&pool, id).await;
+            (row.state == JobState::Dispatched && row.dispatch_gen == 2).then_some(())
+        }
+    })
+    .await;
+    stop.send(true).unwrap();
+    assert_eq!(running.await.unwrap().published, 1);
+}
+
+/// `scheduler --once` maintains first: what its rescue puts back goes out in the same run.
+#[tokio::test]
+async fn a_run_once_sends_what_its_maintenance_rescued() {
+    let pool = common::database().await;
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    claim_due(&pool, "default", 1, Duration::ZERO).await.unwrap();
+    let scheduler = memory_scheduler(&pool);
+    let (_keep, shutdown) = watch::channel(false);
+    let totals = scheduler.run(shutdown, true).await;
+    assert_eq!(totals.published, 1);
+    let row = common::job(&pool, id).await;
+    assert_eq!((row.state, row.dispatch_gen), (JobState::Dispatched, 2));
+}
+
 #[tokio::test]
 async fn finished_rows_older_than_the_retention_are_pruned_and_others_kept() {
     let pool = common::database().await;
