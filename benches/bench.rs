@@ -386,7 +386,7 @@ const WARM_UP_JOBS: usize = 20;
 /// up to ~150 ms, which was the floor's whole p99 at 1000 jobs and had nothing to do with either
 /// queue. Both the floor and rowq warm up the same way.
 async fn warm_up(pool: &PgPool, per_second: f64) -> Result<i64, Error> {
-    trickle(pool, WARM_UP_JOBS, per_second).await?;
+    trickle(&mut ticker(per_second), pool, WARM_UP_JOBS).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     Ok(sqlx::query_scalar("SELECT coalesce(max(id), 0) FROM rowq.jobs").fetch_one(pool).await?)
 }
@@ -450,11 +450,6 @@ fn percentiles(ms: &mut [f64]) -> (f64, f64, f64) {
     (round(at(0.5)), round(at(0.99)), round(at(1.0)))
 }
 
-/// Inserts `n` jobs one per transaction at `per_second`, from one connection.
-async fn trickle(pool: &PgPool, n: usize, per_second: f64) -> Result<(), Error> {
-    trickle_on(&mut ticker(per_second), pool, n).await
-}
-
 /// One tick every 1/`per_second` seconds, the first at once. A tick missed (an insert that took
 /// longer than the interval) is not made up for by a burst: inserts stay at least 1/`per_second`
 /// apart, one at a time as the latency workloads mean them.
@@ -464,8 +459,8 @@ fn ticker(per_second: f64) -> tokio::time::Interval {
     ticks
 }
 
-/// Inserts `n` jobs one per transaction, one per tick of `ticks`.
-async fn trickle_on(ticks: &mut tokio::time::Interval, pool: &PgPool, n: usize) -> Result<(), Error> {
+/// Inserts `n` jobs one per transaction, one per tick of `ticks`, from one connection.
+async fn trickle(ticks: &mut tokio::time::Interval, pool: &PgPool, n: usize) -> Result<(), Error> {
     for _ in 0..n {
         ticks.tick().await;
         sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(pool).await?;
@@ -920,7 +915,7 @@ async fn pickup_turns(workloads: &[&str], settings: &Settings) -> Result<Vec<Val
     while left > 0 {
         let turn = left.min(LATENCY_TURN);
         for side in &sides {
-            trickle_on(&mut ticks, side.pool(), turn).await?;
+            trickle(&mut ticks, side.pool(), turn).await?;
         }
         left -= turn;
     }
