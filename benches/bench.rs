@@ -164,10 +164,11 @@ async fn run() -> Result<(), Error> {
 
     // BENCH_ONLY=drain-memory,sql-floor runs just those, in this order.
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
-    if let Some(unknown) = only.split(',').map(str::trim).find(|w| !w.is_empty() && !WORKLOADS.contains(w)) {
+    let only: Vec<&str> = only.split(',').map(str::trim).filter(|w| !w.is_empty()).collect();
+    if let Some(unknown) = only.iter().find(|w| !WORKLOADS.contains(w)) {
         return Err(format!("BENCH_ONLY names {unknown:?}, which is none of: {}", WORKLOADS.join(", ")).into());
     }
-    let wanted = |name: &str| only.is_empty() || only.split(',').any(|w| w.trim() == name);
+    let wanted = |name: &str| only.is_empty() || only.contains(&name);
     let pairs = |default: usize| number("BENCH_PAIRS", default as f64).max(1.0) as usize;
     let mut ran: Vec<&str> = Vec::new();
     for name in WORKLOADS.into_iter().filter(|name| wanted(name)) {

@@ -1,6 +1,6 @@
-//! The scheduler: claim → publish → report, in a loop that wakes on `NOTIFY`, on the next
-//! `run_at`, on a rescue and on a poll interval, with maintenance (rescue, prune) running
-//! beside it. [`Scheduler::run_once`] is one pass, used by the loop, by `scheduler --once`
+//! The scheduler: claim → publish → report, in a loop that wakes on `NOTIFY` (an insert, a
+//! rescue, a group's progress), on the next `run_at`, and on a poll interval, with maintenance
+//! (rescue, prune) running beside it. [`Scheduler::run_once`] is one pass, used by the loop, by `scheduler --once`
 //! and by the tests.
 //!
 //! The claim commits before anything is sent: no transaction is held open across an SQS
@@ -16,7 +16,7 @@ use futures::future::OptionFuture;
 use futures::stream::FuturesUnordered;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 
 use crate::config::SchedulerConfig;
 use crate::job::{JobId, JobMessage};
@@ -269,21 +269,20 @@ impl<P: Publisher> Scheduler<P> {
     ///
     /// Maintenance (rescue, prune) runs beside the dispatch loop, every `maintenance_interval`,
     /// not in it: a pass that prunes 50,000 rows or rescues a dead worker's thousands takes
-    /// hundreds of milliseconds, and no due job should wait for it. A rescue wakes the loop,
-    /// since the rows it put back to `pending` send no notification. With `once`, the first
+    /// hundreds of milliseconds, and no due job should wait for it. A rescue wakes the loop
+    /// through the notification channel ([`maintenance::run_once`]). With `once`, the first
     /// maintenance runs before the first claim, so what it rescues goes out in this run.
     pub async fn run_until(&self, shutdown: watch::Receiver<bool>, once: bool, stop_at: Option<Instant>) -> RunTotals {
-        let rescued = Notify::new();
         let (stopped, dispatch_stopped) = watch::channel(false);
         if once {
-            self.maintain(&rescued).await;
+            self.maintain().await;
         }
         let dispatching = async {
-            let totals = self.dispatch_until(shutdown, once, stop_at, &rescued).await;
+            let totals = self.dispatch_until(shutdown, once, stop_at).await;
             stopped.send_replace(true);
             totals
         };
-        let (totals, ()) = tokio::join!(dispatching, self.maintain_until(dispatch_stopped, &rescued, once));
+        let (totals, ()) = tokio::join!(dispatching, self.maintain_until(dispatch_stopped, once));
         totals
     }
 
@@ -293,7 +292,6 @@ impl<P: Publisher> Scheduler<P> {
         mut shutdown: watch::Receiver<bool>,
         once: bool,
         stop_at: Option<Instant>,
-        rescued: &Notify,
     ) -> RunTotals {
         let mut totals = RunTotals::default();
         let mut listener: Option<PgListener> = None;
@@ -341,7 +339,6 @@ impl<P: Publisher> Scheduler<P> {
             let woke_by_listener = tokio::select! {
                 _ = shutdown.changed() => false,
                 _ = tokio::time::sleep(wait) => false,
-                _ = rescued.notified() => false,
                 notification = recv(&mut listener) => match notification {
                     Ok(true) => true,
                     Ok(false) => false,
@@ -392,7 +389,7 @@ impl<P: Publisher> Scheduler<P> {
 
     /// Maintenance every `maintenance_interval` until the dispatch loop has stopped; the pass
     /// in progress then completes. Starts with a pass unless `waited` (one already ran).
-    async fn maintain_until(&self, mut dispatch_stopped: watch::Receiver<bool>, rescued: &Notify, waited: bool) {
+    async fn maintain_until(&self, mut dispatch_stopped: watch::Receiver<bool>, waited: bool) {
         let mut wait = waited;
         loop {
             if wait {
@@ -404,21 +401,15 @@ impl<P: Publisher> Scheduler<P> {
             if *dispatch_stopped.borrow() {
                 return;
             }
-            self.maintain(rescued).await;
+            self.maintain().await;
             wait = true;
         }
     }
 
-    /// One maintenance pass; wakes the dispatch loop if it rescued a row.
-    async fn maintain(&self, rescued: &Notify) {
+    async fn maintain(&self) {
         match maintenance::run_once(&self.pool, self.config.retention).await {
             Ok(report) if report.is_empty() => {}
-            Ok(report) => {
-                if report.rescued_dispatched + report.rescued_running > 0 {
-                    rescued.notify_one();
-                }
-                tracing::info!(?report, "maintenance");
-            }
+            Ok(report) => tracing::info!(?report, "maintenance"),
             Err(error) => tracing::warn!(error = %error, "maintenance failed; will retry"),
         }
     }

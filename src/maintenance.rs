@@ -51,7 +51,8 @@ impl MaintenanceReport {
 }
 
 /// One pass: rescue lost dispatches, rescue dead workers' jobs, prune by `retention`
-/// (zero keeps finished rows forever).
+/// (zero keeps finished rows forever). Rows rescued to `pending` send no notification of their
+/// own, so a rescue wakes the schedulers ([`crate::store::wake_schedulers`]) as an insert does.
 pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceReport, sqlx::Error> {
     let mut report = MaintenanceReport::default();
     for _ in 0..MAX_ROUNDS {
@@ -67,6 +68,9 @@ pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceR
         if (rescued.len() as i64) < RESCUE_BATCH {
             break;
         }
+    }
+    if report.rescued_dispatched + report.rescued_running > 0 {
+        crate::store::wake_schedulers(pool, "rescued").await?;
     }
     if !retention.is_zero() {
         for _ in 0..MAX_ROUNDS {

@@ -290,7 +290,7 @@ impl Worker {
         }
         let group_moved =
             finished.iter().any(|e| e.job.group_key.is_some() && !matches!(e.outcome, Outcome::RetryLater { .. }));
-        if group_moved && let Err(error) = run::notify_group_progress(&self.pool).await {
+        if group_moved && let Err(error) = crate::store::wake_schedulers(&self.pool, "group").await {
             tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
         }
         failed

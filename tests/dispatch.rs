@@ -7,7 +7,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rowq::sqs::{MemoryPublisher, SqsPublisher};
+use rowq::dispatch::RunTotals;
+use rowq::sqs::{MemoryPublisher, Publisher, SqsPublisher};
 use rowq::store::admin::{self, NewJob};
 use rowq::store::dispatch::claim_due;
 use rowq::store::run::{StartRequest, start};
@@ -15,6 +16,7 @@ use rowq::{JobId, JobState, Scheduler, maintenance};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 const MEMORY_URL: &str = "memory://jobs.fifo";
 
@@ -23,13 +25,28 @@ fn memory_scheduler(pool: &PgPool) -> Scheduler<MemoryPublisher> {
 }
 
 /// A scheduler whose poll and maintenance intervals are 600 s: only a NOTIFY wakes it.
-fn spawn_idle_scheduler(pool: &PgPool) -> (watch::Sender<bool>, tokio::task::JoinHandle<rowq::dispatch::RunTotals>) {
+fn spawn_idle_scheduler(pool: &PgPool) -> (watch::Sender<bool>, JoinHandle<RunTotals>) {
     let mut config = common::scheduler_config(MEMORY_URL);
     config.poll_interval = Duration::from_secs(600);
     config.maintenance_interval = Duration::from_secs(600);
-    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    let (_, stop, running) = spawn_run(Scheduler::new(pool.clone(), MemoryPublisher::new(), config), false);
+    (stop, running)
+}
+
+/// Runs `scheduler` in a task until the sender returned turns `true` (keep it: a dropped one
+/// reads as changed at once), or, with `once`, until nothing is due; the `Arc` reaches its
+/// publisher meanwhile.
+fn spawn_run<P: Publisher + 'static>(
+    scheduler: Scheduler<P>,
+    once: bool,
+) -> (Arc<Scheduler<P>>, watch::Sender<bool>, JoinHandle<RunTotals>) {
+    let scheduler = Arc::new(scheduler);
     let (stop, shutdown) = watch::channel(false);
-    (stop, tokio::spawn(async move { scheduler.run(shutdown, false).await }))
+    let running = tokio::spawn({
+        let scheduler = scheduler.clone();
+        async move { scheduler.run(shutdown, once).await }
+    });
+    (scheduler, stop, running)
 }
 
 async fn wait_dispatched(pool: &PgPool, id: JobId, what: &str) {
@@ -448,12 +465,7 @@ async fn a_long_maintenance_pass_does_not_hold_up_dispatch() {
     let mut config = common::scheduler_config(MEMORY_URL);
     config.retention = Duration::from_secs(3600);
     config.poll_interval = Duration::from_secs(600);
-    let scheduler = Arc::new(Scheduler::new(pool.clone(), MemoryPublisher::new(), config));
-    let (stop, shutdown) = watch::channel(false);
-    let running = tokio::spawn({
-        let scheduler = scheduler.clone();
-        async move { scheduler.run(shutdown, false).await }
-    });
+    let (scheduler, stop, running) = spawn_run(Scheduler::new(pool.clone(), MemoryPublisher::new(), config), false);
     common::eventually(Duration::from_secs(30), "the prune to wait for the test's lock", || {
         let pool = pool.clone();
         async move {
@@ -471,7 +483,12 @@ async fn a_long_maintenance_pass_does_not_hold_up_dispatch() {
 
     let due = common::enqueue(&pool, "noop", json!({})).await;
     wait_dispatched(&pool, due, "the job enqueued while maintenance was held up").await;
-    let sent: Vec<JobId> = scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect();
+    // The row is `dispatched` once the claim commits; its message is sent just after.
+    let sent: Vec<JobId> = common::eventually(Duration::from_secs(30), "the message to be sent", || {
+        let sent: Vec<JobId> = scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect();
+        async move { (!sent.is_empty()).then_some(sent) }
+    })
+    .await;
     assert_eq!(sent, vec![due]);
     assert!(admin::get(&pool, old).await.unwrap().is_some(), "pruned while the prune was held");
 
@@ -482,7 +499,8 @@ async fn a_long_maintenance_pass_does_not_hold_up_dispatch() {
     assert!(admin::get(&pool, old).await.unwrap().is_none(), "the held prune did not complete");
 }
 
-/// Rows that a rescue puts back to `pending` send no notification: the rescue wakes the loop.
+/// Rows that a rescue puts back to `pending` send no notification of their own: the rescue
+/// sends one, which wakes the loop.
 #[tokio::test]
 async fn a_row_rescued_by_maintenance_is_dispatched_without_waiting_for_the_poll() {
     let pool = common::database().await;
@@ -493,9 +511,7 @@ async fn a_row_rescued_by_maintenance_is_dispatched_without_waiting_for_the_poll
     let mut config = common::scheduler_config(MEMORY_URL);
     config.poll_interval = Duration::from_secs(600);
     config.maintenance_interval = Duration::from_millis(200);
-    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
-    let (stop, shutdown) = watch::channel(false);
-    let running = tokio::spawn(async move { scheduler.run(shutdown, false).await });
+    let (_, stop, running) = spawn_run(Scheduler::new(pool.clone(), MemoryPublisher::new(), config), false);
     common::eventually(Duration::from_secs(30), "the rescued row to be claimed again", || {
         let pool = pool.clone();
         async move {
@@ -786,12 +802,7 @@ async fn a_slow_queue_is_not_claimed_further_ahead_than_two_claims() {
     config.claim_batch = 10;
     config.publish_concurrency = 1;
     let gated = Arc::new(Gated::new(&pool, |_| false));
-    let scheduler = Arc::new(Scheduler::new(pool.clone(), gated.clone(), config));
-    let (_keep, shutdown) = watch::channel(false);
-    let running = tokio::spawn({
-        let scheduler = scheduler.clone();
-        async move { scheduler.run(shutdown, true).await }
-    });
+    let (_, _keep, running) = spawn_run(Scheduler::new(pool.clone(), gated.clone(), config), true);
     common::eventually(Duration::from_secs(10), "the first send to begin", || {
         let gated = gated.clone();
         async move { (!gated.dispatched_at_send.lock().unwrap().is_empty()).then_some(()) }

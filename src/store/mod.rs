@@ -50,6 +50,13 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
 /// The channel the insert trigger notifies (one notification per inserting statement).
 pub const NOTIFY_CHANNEL: &str = "rowq_jobs";
 
+/// Wakes the waiting schedulers, as an insert does, where rows may have become claimable
+/// without one: a group's head finished (`why` = `group`), a rescue put rows back to `pending`
+/// (`rescued`). A scheduler that is not listening finds them at its next poll.
+pub async fn wake_schedulers(pool: &PgPool, why: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(why).execute(pool).await.map(|_| ())
+}
+
 /// Opens a pool. Statement logging is turned down: a per-query info line would drown the
 /// transition log lines and could leak values.
 pub async fn connect(config: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {

@@ -546,11 +546,6 @@ fn replace_nul(value: &mut serde_json::Value) {
     }
 }
 
-/// Wakes schedulers waiting on a group whose head just finished.
-pub async fn notify_group_progress(pool: &PgPool) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT pg_notify($1, 'group')").bind(super::NOTIFY_CHANNEL).execute(pool).await.map(|_| ())
-}
-
 /// The DLQ's transition: `dispatched | running → failed` for the dead-lettered generation,
 /// with `reason` as the error. Terminal rows and rows of a newer generation are left alone
 /// (`None`).
