@@ -388,7 +388,9 @@ impl<P: Publisher> Scheduler<P> {
     }
 
     /// Maintenance every `maintenance_interval` until the dispatch loop has stopped; the pass
-    /// in progress then completes. Starts with a pass unless `waited` (one already ran).
+    /// in progress then completes. Starts with a pass unless `waited` (one already ran). A pass
+    /// that left work ([`maintenance::MaintenanceReport::more_left`]) is followed by the next
+    /// at once.
     async fn maintain_until(&self, mut dispatch_stopped: watch::Receiver<bool>, waited: bool) {
         let mut wait = waited;
         loop {
@@ -401,16 +403,22 @@ impl<P: Publisher> Scheduler<P> {
             if *dispatch_stopped.borrow() {
                 return;
             }
-            self.maintain().await;
-            wait = true;
+            wait = !self.maintain().await;
         }
     }
 
-    async fn maintain(&self) {
+    /// One maintenance pass, logged; `true` when it left work for the next.
+    async fn maintain(&self) -> bool {
         match maintenance::run_once(&self.pool, self.config.retention).await {
-            Ok(report) if report.is_empty() => {}
-            Ok(report) => tracing::info!(?report, "maintenance"),
-            Err(error) => tracing::warn!(error = %error, "maintenance failed; will retry"),
+            Ok(report) if report.is_empty() => false,
+            Ok(report) => {
+                tracing::info!(?report, "maintenance");
+                report.more_left
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, "maintenance failed; will retry");
+                false
+            }
         }
     }
 }

@@ -538,6 +538,31 @@ async fn a_run_once_sends_what_its_maintenance_rescued() {
     assert_eq!((row.state, row.dispatch_gen), (JobState::Dispatched, 2));
 }
 
+/// A retried job is due at once, and its update sends no `NOTIFY` of its own: the retry wakes
+/// the schedulers, one job at a time or all failed jobs at once.
+#[tokio::test]
+async fn a_retried_job_is_dispatched_without_waiting_for_the_poll() {
+    let pool = common::database().await;
+    let one = common::enqueue(&pool, "noop", json!({})).await;
+    let all = common::enqueue(&pool, "noop", json!({})).await;
+    sqlx::query("UPDATE rowq.jobs SET state = 'failed', attempts = 5, finished_at = now()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (stop, running) = spawn_idle_scheduler(&pool);
+    // Once it has sent this one, nothing is due: the loop waits for a notification.
+    let sentinel = common::enqueue(&pool, "noop", json!({})).await;
+    wait_dispatched(&pool, sentinel, "the sentinel job to be dispatched").await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    assert!(admin::retry(&pool, one).await.unwrap().is_some());
+    wait_dispatched(&pool, one, "a job retried by id to be dispatched").await;
+    assert_eq!(admin::retry_all_failed(&pool, None).await.unwrap(), vec![all]);
+    wait_dispatched(&pool, all, "the jobs of a retry of all failed ones to be dispatched").await;
+    stop.send(true).unwrap();
+    assert_eq!(running.await.unwrap().published, 3);
+}
+
 #[tokio::test]
 async fn finished_rows_older_than_the_retention_are_pruned_and_others_kept() {
     let pool = common::database().await;
@@ -555,10 +580,56 @@ async fn finished_rows_older_than_the_retention_are_pruned_and_others_kept() {
         .await
         .unwrap();
     let report = maintenance::run_once(&pool, Duration::from_secs(3600)).await.unwrap();
-    assert_eq!(report.pruned, 1);
+    assert_eq!((report.pruned, report.more_left), (1, false));
     assert!(admin::get(&pool, old).await.unwrap().is_none());
     assert!(admin::get(&pool, recent).await.unwrap().is_some());
     assert!(admin::get(&pool, waiting).await.unwrap().is_some());
+}
+
+/// One pass prunes at most 10 statements of 5,000 rows. A pass that stops there is followed by
+/// the next at once, not after `maintenance_interval`: otherwise pruning has a ceiling
+/// (10,000 rows a second at the default 5 s) that a busy queue's finished rows outgrow.
+#[tokio::test]
+async fn finished_rows_beyond_one_pass_are_pruned_without_waiting_for_the_next_interval() {
+    let pool = common::database().await;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, state, finished_at)
+         SELECT 'noop', 'succeeded', now() - interval '2 days' FROM generate_series(1, 60000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.retention = Duration::from_secs(3600);
+    config.maintenance_interval = Duration::from_secs(600);
+    let (_, stop, running) = spawn_run(Scheduler::new(pool.clone(), MemoryPublisher::new(), config), false);
+    common::eventually(Duration::from_secs(30), "every finished row past the retention to be pruned", || {
+        let pool = pool.clone();
+        async move {
+            let left: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs").fetch_one(&pool).await.ok()?;
+            (left == 0).then_some(())
+        }
+    })
+    .await;
+    stop.send(true).unwrap();
+    running.await.unwrap();
+}
+
+/// A rescue stops at 10 statements of 1,000 rows per pass too, and says that it left rows.
+#[tokio::test]
+async fn a_rescue_that_stops_at_the_round_limit_reports_rows_left() {
+    let pool = common::database().await;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, state, dispatch_gen, dispatch_deadline)
+         SELECT 'noop', 'dispatched', 1, now() - interval '1 minute' FROM generate_series(1, 12000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let first = maintenance::run_once(&pool, Duration::ZERO).await.unwrap();
+    assert_eq!((first.rescued_dispatched, first.more_left), (10_000, true));
+    let second = maintenance::run_once(&pool, Duration::ZERO).await.unwrap();
+    assert_eq!((second.rescued_dispatched, second.more_left), (2_000, false));
 }
 
 #[tokio::test]

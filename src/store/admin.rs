@@ -150,10 +150,12 @@ pub async fn cancel(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Er
 }
 
 /// `failed → pending` with attempts reset and `run_at = now()`; the next claim gives it a new
-/// generation. `None`: the job is not failed, or absent. Fails with a unique violation on
-/// `jobs_dedup_key_unfinished_idx` when another unfinished job holds its `dedup_key`.
+/// generation, and the schedulers are woken when it commits. `None`: the job is not failed, or
+/// absent. Fails with a unique violation on `jobs_dedup_key_unfinished_idx` when another
+/// unfinished job holds its `dedup_key`.
 pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
-    sqlx::query_as(
+    let mut transaction = pool.begin().await?;
+    let row: Option<JobRow> = sqlx::query_as(
         r#"
         UPDATE rowq.jobs
         SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
@@ -163,13 +165,16 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Err
         "#,
     )
     .bind(id)
-    .fetch_optional(pool)
-    .await
+    .fetch_optional(&mut *transaction)
+    .await?;
+    retried(transaction, row.is_some()).await?;
+    Ok(row)
 }
 
 /// [`retry`] for every failed job of `queue` (all queues when `None`). Returns the ids.
 pub async fn retry_all_failed(pool: &PgPool, queue: Option<&str>) -> Result<Vec<JobId>, sqlx::Error> {
-    sqlx::query_scalar(
+    let mut transaction = pool.begin().await?;
+    let ids: Vec<JobId> = sqlx::query_scalar(
         r#"
         UPDATE rowq.jobs
         SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
@@ -179,8 +184,20 @@ pub async fn retry_all_failed(pool: &PgPool, queue: Option<&str>) -> Result<Vec<
         "#,
     )
     .bind(queue)
-    .fetch_all(pool)
-    .await
+    .fetch_all(&mut *transaction)
+    .await?;
+    retried(transaction, !ids.is_empty()).await?;
+    Ok(ids)
+}
+
+/// Commits a retry, with a notification when it moved rows: a retried row is due at once but
+/// sends no `NOTIFY` of its own (that is the insert trigger's), and an idle scheduler would
+/// otherwise find it only at its next poll.
+async fn retried(mut transaction: sqlx::Transaction<'_, sqlx::Postgres>, moved: bool) -> Result<(), sqlx::Error> {
+    if moved {
+        super::wake_schedulers(&mut *transaction, "retried").await?;
+    }
+    transaction.commit().await
 }
 
 /// Jobs of one queue in one state.

@@ -22,7 +22,7 @@ use std::time::Duration;
 use sqlx::SqlStr;
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgExecutor, PgPool};
 
 use crate::config::DatabaseConfig;
 
@@ -52,9 +52,11 @@ pub const NOTIFY_CHANNEL: &str = "rowq_jobs";
 
 /// Wakes the waiting schedulers, as an insert does, where rows may have become claimable
 /// without one: a group's head finished (`why` = `group`), a rescue put rows back to `pending`
-/// (`rescued`). A scheduler that is not listening finds them at its next poll.
-pub async fn wake_schedulers(pool: &PgPool, why: &str) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(why).execute(pool).await.map(|_| ())
+/// (`rescued`), an operator retried failed jobs (`retried`). Inside a transaction the
+/// notification goes out when it commits, and not at all if it rolls back. A scheduler that
+/// is not listening finds the rows at its next poll.
+pub async fn wake_schedulers<'e>(executor: impl PgExecutor<'e>, why: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(why).execute(executor).await.map(|_| ())
 }
 
 /// Opens a pool. Statement logging is turned down: a per-query info line would drown the
