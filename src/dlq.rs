@@ -14,9 +14,11 @@ use crate::worker::{batch_response, decode_record};
 pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
 
 /// Handles one batch from the DLQ. Only a database failure reports a record failed (SQS
-/// delivers it again); malformed bodies are acknowledged and logged.
+/// delivers it again); malformed bodies are acknowledged and logged. A failed job of a group
+/// lets the group's next one go, so then the schedulers are woken, as the worker does.
 pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
     let mut failed = Vec::new();
+    let mut group_moved = false;
     for record in event.records {
         let Some((message_id, message)) = decode_record(&record) else {
             continue;
@@ -27,10 +29,13 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
             message.dispatch_gen
         );
         match run::dead_letter(pool, message.job_id, message.dispatch_gen, &reason).await {
-            Ok(Some(from)) => tracing::error!(
-                job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,
-                job.from = from.as_str(), job.to = "failed", error = %reason, "job dead-lettered"
-            ),
+            Ok(Some(dead)) => {
+                group_moved |= dead.group_key.is_some();
+                tracing::error!(
+                    job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,
+                    job.from = dead.from.as_str(), job.to = "failed", error = %reason, "job dead-lettered"
+                );
+            }
             Ok(None) => tracing::info!(
                 job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,
                 "dead-letter message for a finished or re-dispatched job acknowledged"
@@ -40,6 +45,9 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
                 failed.push(message_id);
             }
         }
+    }
+    if group_moved && let Err(error) = crate::store::wake_schedulers(pool, "group").await {
+        tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
     }
     batch_response(failed)
 }

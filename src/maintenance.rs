@@ -57,15 +57,18 @@ impl MaintenanceReport {
 }
 
 /// One pass: rescue lost dispatches, rescue dead workers' jobs, prune by `retention`
-/// (zero keeps finished rows forever). Rows rescued to `pending` send no notification of their
-/// own, so a rescue wakes the schedulers ([`crate::store::wake_schedulers`]) as an insert does.
+/// (zero keeps finished rows forever). Rows rescued to `pending`, and a group's next job once
+/// a rescue failed its head, send no notification of their own, so a rescue that made either
+/// wakes the schedulers ([`crate::store::wake_schedulers`]) as an insert does.
 pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceReport, sqlx::Error> {
     let mut report = MaintenanceReport::default();
+    let mut wake = false;
     // Each kind runs until a statement moves less than a full batch, or MAX_ROUNDS have run;
     // a full last one may have left rows.
     for round in 1..=MAX_ROUNDS {
         let rescued = store::rescue_dispatched(pool).await?;
         report.count(&rescued, JobState::Dispatched);
+        wake |= rescued.iter().any(claimable_after);
         if (rescued.len() as i64) < RESCUE_BATCH {
             break;
         }
@@ -74,12 +77,13 @@ pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceR
     for round in 1..=MAX_ROUNDS {
         let rescued = store::rescue_running(pool, RESCUE_RETRY_DELAY).await?;
         report.count(&rescued, JobState::Running);
+        wake |= rescued.iter().any(claimable_after);
         if (rescued.len() as i64) < RESCUE_BATCH {
             break;
         }
         report.more_left |= round == MAX_ROUNDS;
     }
-    if report.rescued_dispatched + report.rescued_running > 0 {
+    if wake {
         crate::store::wake_schedulers(pool, "rescued").await?;
     }
     if !retention.is_zero() {
@@ -93,4 +97,10 @@ pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceR
         }
     }
     Ok(report)
+}
+
+/// Whether a rescue of `row` may have made a row claimable: itself, back to `pending`, or the
+/// next job of its group, once it failed.
+fn claimable_after(row: &Rescued) -> bool {
+    row.state == JobState::Pending || row.group_key.is_some()
 }

@@ -7,12 +7,13 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
 use rowq::dispatch::RunTotals;
 use rowq::sqs::{MemoryPublisher, Publisher, SqsPublisher};
 use rowq::store::admin::{self, NewJob};
 use rowq::store::dispatch::claim_due;
 use rowq::store::run::{StartRequest, start};
-use rowq::{JobId, JobState, Scheduler, maintenance};
+use rowq::{JobId, JobMessage, JobState, Registry, Scheduler, Worker, dlq, maintenance};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::watch;
@@ -561,6 +562,59 @@ async fn a_retried_job_is_dispatched_without_waiting_for_the_poll() {
     wait_dispatched(&pool, all, "the jobs of a retry of all failed ones to be dispatched").await;
     stop.send(true).unwrap();
     assert_eq!(running.await.unwrap().published, 3);
+}
+
+/// A group's next job may go once its head ends, and that sends no `NOTIFY` of its own:
+/// however the head ends (the worker finishes it, an operator cancels it, the DLQ or a rescue
+/// fails it), the schedulers are woken, and an idle one dispatches the next job at once.
+#[tokio::test]
+async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
+    let pool = common::database().await;
+    let mut groups = Vec::new();
+    for group in ["finished", "cancelled", "dead-lettered", "rescued"] {
+        let job = |n: i64| NewJob { group_key: Some(group.into()), ..NewJob::new("noop", json!({ "n": n })) };
+        groups.push((enqueue_with(&pool, job(1)).await, enqueue_with(&pool, job(2)).await));
+    }
+    let (stop, running) = spawn_idle_scheduler(&pool);
+    for &(head, _) in &groups {
+        wait_dispatched(&pool, head, "the head of each group to be dispatched").await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await; // nothing else is due: idle
+    let message = |id: JobId| {
+        let mut record = SqsMessage::default();
+        record.message_id = Some(format!("message-{id}"));
+        record.body = Some(JobMessage::new(id, 1).encode());
+        let mut event = SqsEvent::default();
+        event.records = vec![record];
+        event
+    };
+    let [finished, cancelled, dead_lettered, rescued] = groups.try_into().unwrap();
+
+    let worker = Worker::new(pool.clone(), Registry::builtin(), common::worker_config());
+    let response = worker.handle_batch(message(finished.0), Instant::now() + Duration::from_secs(30)).await;
+    assert!(response.batch_item_failures.is_empty());
+    wait_dispatched(&pool, finished.1, "the next job after its head succeeded").await;
+
+    assert!(admin::cancel(&pool, cancelled.0).await.unwrap().is_some());
+    wait_dispatched(&pool, cancelled.1, "the next job after its head was cancelled").await;
+
+    assert!(dlq::handle_batch(&pool, message(dead_lettered.0)).await.batch_item_failures.is_empty());
+    assert_eq!(common::job(&pool, dead_lettered.0).await.state, JobState::Failed);
+    wait_dispatched(&pool, dead_lettered.1, "the next job after its head was dead-lettered").await;
+
+    sqlx::query(
+        "UPDATE rowq.jobs SET state = 'running', attempts = max_attempts, run_deadline = now() - interval '1 minute'
+         WHERE id = $1",
+    )
+    .bind(rescued.0)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(maintenance::run_once(&pool, Duration::ZERO).await.unwrap().failed, 1);
+    wait_dispatched(&pool, rescued.1, "the next job after a rescue failed its head").await;
+
+    stop.send(true).unwrap();
+    assert_eq!(running.await.unwrap().published, 8);
 }
 
 #[tokio::test]

@@ -134,9 +134,11 @@ pub async fn list(pool: &PgPool, filter: &ListFilter) -> Result<Vec<JobRow>, sql
 }
 
 /// `pending | dispatched → cancelled`. A message already sent for a dispatched job will
-/// match nothing at the worker's fence. `None`: the job is running, finished, or absent.
+/// match nothing at the worker's fence. `None`: the job is running, finished, or absent. A
+/// cancelled job of a group lets the group's next one go: the schedulers are woken.
 pub async fn cancel(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
-    sqlx::query_as(
+    let mut transaction = pool.begin().await?;
+    let row: Option<JobRow> = sqlx::query_as(
         r#"
         UPDATE rowq.jobs
         SET state = 'cancelled', finished_at = now(), dispatch_deadline = NULL, updated_at = now()
@@ -145,8 +147,11 @@ pub async fn cancel(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Er
         "#,
     )
     .bind(id)
-    .fetch_optional(pool)
-    .await
+    .fetch_optional(&mut *transaction)
+    .await?;
+    let group_moved = row.as_ref().is_some_and(|row| row.group_key.is_some());
+    commit_waking(transaction, group_moved.then_some("group")).await?;
+    Ok(row)
 }
 
 /// `failed → pending` with attempts reset and `run_at = now()`; the next claim gives it a new
@@ -167,7 +172,7 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Err
     .bind(id)
     .fetch_optional(&mut *transaction)
     .await?;
-    retried(transaction, row.is_some()).await?;
+    commit_waking(transaction, row.is_some().then_some("retried")).await?;
     Ok(row)
 }
 
@@ -186,16 +191,20 @@ pub async fn retry_all_failed(pool: &PgPool, queue: Option<&str>) -> Result<Vec<
     .bind(queue)
     .fetch_all(&mut *transaction)
     .await?;
-    retried(transaction, !ids.is_empty()).await?;
+    commit_waking(transaction, (!ids.is_empty()).then_some("retried")).await?;
     Ok(ids)
 }
 
-/// Commits a retry, with a notification when it moved rows: a retried row is due at once but
-/// sends no `NOTIFY` of its own (that is the insert trigger's), and an idle scheduler would
-/// otherwise find it only at its next poll.
-async fn retried(mut transaction: sqlx::Transaction<'_, sqlx::Postgres>, moved: bool) -> Result<(), sqlx::Error> {
-    if moved {
-        super::wake_schedulers(&mut *transaction, "retried").await?;
+/// Commits an operator's transition, waking the schedulers (`why`) when it made rows
+/// claimable that sent no `NOTIFY` of their own (that is the insert trigger's): a retried job
+/// is due at once, a group's next job may go once its head is cancelled. Without it an idle
+/// scheduler finds them at its next poll. The notification leaves with the commit.
+async fn commit_waking(
+    mut transaction: sqlx::Transaction<'_, sqlx::Postgres>,
+    why: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    if let Some(why) = why {
+        super::wake_schedulers(&mut *transaction, why).await?;
     }
     transaction.commit().await
 }

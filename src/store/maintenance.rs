@@ -25,9 +25,11 @@ pub struct Rescued {
     pub id: JobId,
     pub dispatch_gen: i64,
     pub state: JobState,
+    /// A failed row's group lets its next job go.
+    pub group_key: Option<String>,
 }
 
-from_row!(Rescued { id, dispatch_gen, state });
+from_row!(Rescued { id, dispatch_gen, state, group_key });
 
 /// The statement of [`rescue_dispatched`] (public so that tests can `EXPLAIN` it).
 pub const RESCUE_DISPATCHED_SQL: &str = r#"
@@ -47,7 +49,7 @@ pub const RESCUE_DISPATCHED_SQL: &str = r#"
             dispatch_deadline = NULL,
             updated_at = now()
         WHERE j.id = ANY (ARRAY(SELECT id FROM stuck)) AND j.state::text = 'dispatched'
-        RETURNING j.id, j.dispatch_gen, j.state
+        RETURNING j.id, j.dispatch_gen, j.state, j.group_key
         "#;
 
 /// `dispatched → pending` for rows whose `dispatch_deadline` passed: the scheduler crashed
@@ -83,7 +85,7 @@ pub const RESCUE_RUNNING_SQL: &str = r#"
             updated_at = now()
         FROM reason
         WHERE j.id = ANY (ARRAY(SELECT id FROM stuck)) AND j.state::text = 'running'
-        RETURNING j.id, j.dispatch_gen, j.state
+        RETURNING j.id, j.dispatch_gen, j.state, j.group_key
         "#;
 
 /// `running → pending | failed` for rows whose `run_deadline` passed: the worker was killed

@@ -546,6 +546,17 @@ fn replace_nul(value: &mut serde_json::Value) {
     }
 }
 
+/// A job [`dead_letter`] failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLettered {
+    /// The state it was in.
+    pub from: JobState,
+    /// Its group, whose next job may now go.
+    pub group_key: Option<String>,
+}
+
+from_row!(DeadLettered { from = "state", group_key });
+
 /// The DLQ's transition: `dispatched | running → failed` for the dead-lettered generation,
 /// with `reason` as the error. Terminal rows and rows of a newer generation are left alone
 /// (`None`).
@@ -554,8 +565,8 @@ pub async fn dead_letter(
     id: JobId,
     dispatch_gen: i64,
     reason: &str,
-) -> Result<Option<JobState>, sqlx::Error> {
-    sqlx::query_scalar(
+) -> Result<Option<DeadLettered>, sqlx::Error> {
+    sqlx::query_as(
         r#"
         UPDATE rowq.jobs j
         SET state = 'failed',
@@ -568,7 +579,7 @@ pub async fn dead_letter(
             updated_at = now()
         FROM (SELECT state FROM rowq.jobs WHERE id = $1 FOR UPDATE) AS before
         WHERE j.id = $1 AND j.dispatch_gen = $2 AND j.state IN ('dispatched', 'running')
-        RETURNING before.state
+        RETURNING before.state, j.group_key
         "#,
     )
     .bind(id)
