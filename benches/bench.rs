@@ -32,19 +32,41 @@ use tokio::sync::watch;
 
 type Error = Box<dyn std::error::Error>;
 
-/// Every workload, in the order a full run takes them.
-const WORKLOADS: [&str; 11] = [
-    "enqueue",
-    "sql-floor",
-    "dispatch-memory",
-    "drain-memory",
-    "drain-memory-results",
-    "latency-floor",
-    "latency-memory",
-    "raw-localstack",
-    "dispatch-localstack",
-    "drain-localstack",
-    "latency-localstack",
+/// A workload that runs on its own, or a side of the pickup latencies ([`pickup_turns`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Workload {
+    Enqueue,
+    SqlFloor,
+    DispatchMemory,
+    DrainMemory,
+    DrainMemoryResults,
+    RawLocalStack,
+    DispatchLocalStack,
+    DrainLocalStack,
+    Pickup(Side),
+}
+
+/// A side of the pickup-latency measurement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Floor,
+    Memory,
+    LocalStack,
+}
+
+/// Every workload by its name (`BENCH_ONLY`), in the order a full run takes them.
+const WORKLOADS: [(&str, Workload); 11] = [
+    ("enqueue", Workload::Enqueue),
+    ("sql-floor", Workload::SqlFloor),
+    ("dispatch-memory", Workload::DispatchMemory),
+    ("drain-memory", Workload::DrainMemory),
+    ("drain-memory-results", Workload::DrainMemoryResults),
+    ("latency-floor", Workload::Pickup(Side::Floor)),
+    ("latency-memory", Workload::Pickup(Side::Memory)),
+    ("raw-localstack", Workload::RawLocalStack),
+    ("dispatch-localstack", Workload::DispatchLocalStack),
+    ("drain-localstack", Workload::DrainLocalStack),
+    ("latency-localstack", Workload::Pickup(Side::LocalStack)),
 ];
 
 /// Each workload measured against a floor, with its floor and how many times a full run takes
@@ -54,8 +76,11 @@ const WORKLOADS: [&str; 11] = [
 /// them. A drain pair takes a few seconds; the latency pair ~25 s, taken in turns
 /// ([`pickup_turns`]); a LocalStack pair 25–55 s, so it runs two (their mean), which keeps a
 /// clean clone's `make bench` inside its 10-minute budget (docs/benchmarks-log.md, runs 29–33).
-const PAIRED: [([&str; 2], usize); 3] =
-    [(["sql-floor", "drain-memory"], 5), (LATENCY, 3), (["raw-localstack", "drain-localstack"], 2)];
+const PAIRED: [([Workload; 2], usize); 3] = [
+    ([Workload::SqlFloor, Workload::DrainMemory], 5),
+    ([Workload::Pickup(Side::Floor), Workload::Pickup(Side::Memory)], 3),
+    ([Workload::RawLocalStack, Workload::DrainLocalStack], 2),
+];
 
 /// The system allocator, counting: how many times this process asked for memory (an allocation,
 /// or a reallocation that grew a block) and how many bytes, for the allocations per job the
@@ -163,21 +188,17 @@ async fn run() -> Result<(), Error> {
     };
 
     // BENCH_ONLY=drain-memory,sql-floor runs just those, in this order.
-    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
-    let only: Vec<&str> = only.split(',').map(str::trim).filter(|w| !w.is_empty()).collect();
-    if let Some(unknown) = only.iter().find(|w| !WORKLOADS.contains(w)) {
-        return Err(format!("BENCH_ONLY names {unknown:?}, which is none of: {}", WORKLOADS.join(", ")).into());
-    }
-    let wanted = |name: &str| only.is_empty() || only.contains(&name);
+    let only = bench_only()?;
+    let wanted = |workload: &Workload| only.is_empty() || only.contains(workload);
     let pairs = |default: usize| number("BENCH_PAIRS", default as f64).max(1.0) as usize;
-    let mut ran: Vec<&str> = Vec::new();
-    for name in WORKLOADS.into_iter().filter(|name| wanted(name)) {
-        if ran.contains(&name) {
+    let mut ran: Vec<Workload> = Vec::new();
+    for workload in WORKLOADS.map(|(_, workload)| workload).into_iter().filter(wanted) {
+        if ran.contains(&workload) {
             continue; // run with its pair
         }
-        let (group, rounds) = match PAIRED.iter().find(|(pair, _)| pair.contains(&name)) {
-            Some((pair, rounds)) => (pair.iter().copied().filter(|w| wanted(w)).collect(), pairs(*rounds)),
-            None => (vec![name], 1),
+        let (group, rounds) = match PAIRED.iter().find(|(pair, _)| pair.contains(&workload)) {
+            Some((pair, rounds)) => (pair.iter().copied().filter(wanted).collect(), pairs(*rounds)),
+            None => (vec![workload], 1),
         };
         for round in 1..=rounds {
             for mut result in group_run(&group, &settings).await? {
@@ -194,37 +215,54 @@ async fn run() -> Result<(), Error> {
     Ok(())
 }
 
-/// The pickup-latency floor and rowq's in-memory pickup, which run in turns ([`pickup_turns`]).
-const LATENCY: [&str; 2] = ["latency-floor", "latency-memory"];
-
-/// Every pickup-latency workload: the pair above and rowq's pickup through LocalStack, each a
-/// side of [`pickup_turns`] ([`Pickup`]).
-const PICKUPS: [&str; 3] = [LATENCY[0], LATENCY[1], "latency-localstack"];
+/// `BENCH_ONLY=drain-memory,sql-floor`: the workloads named, or none (all); a name that is no
+/// workload is an error that lists them.
+fn bench_only() -> Result<Vec<Workload>, Error> {
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    only.split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .map(|name| match WORKLOADS.iter().find(|(known, _)| *known == name) {
+            Some(&(_, workload)) => Ok(workload),
+            None => {
+                let names: Vec<&str> = WORKLOADS.iter().map(|(known, _)| *known).collect();
+                Err(format!("BENCH_ONLY names {name:?}, which is none of: {}", names.join(", ")).into())
+            }
+        })
+        .collect()
+}
 
 /// One run of each workload of `group` (a workload alone, or a pair with its floor): one after
 /// the other, but pickup latencies, alone or with their floor, in turns ([`pickup_turns`]).
-async fn group_run(group: &[&str], settings: &Settings) -> Result<Vec<Value>, Error> {
-    if group.iter().all(|workload| PICKUPS.contains(workload)) {
-        return pickup_turns(group, settings).await;
+async fn group_run(group: &[Workload], settings: &Settings) -> Result<Vec<Value>, Error> {
+    let sides: Vec<Side> = group
+        .iter()
+        .filter_map(|workload| match workload {
+            Workload::Pickup(side) => Some(*side),
+            _ => None,
+        })
+        .collect();
+    if sides.len() == group.len() {
+        return pickup_turns(&sides, settings).await;
     }
     let mut results = Vec::new();
     for workload in group {
-        results.push(workload_run(workload, settings).await?);
+        results.push(workload_run(*workload, settings).await?);
     }
     Ok(results)
 }
 
-async fn workload_run(name: &str, settings: &Settings) -> Result<Value, Error> {
-    match name {
-        "enqueue" => enqueue(settings).await,
-        "sql-floor" => sql_floor(settings).await,
-        "dispatch-memory" => dispatch_memory(settings).await,
-        "drain-memory" => drain_memory(settings, 0).await,
-        "drain-memory-results" => drain_memory(settings, RESULT_BYTES).await,
-        "raw-localstack" => raw_localstack(settings).await,
-        "dispatch-localstack" => dispatch_localstack(settings).await,
-        "drain-localstack" => drain_localstack(settings).await,
-        other => Err(format!("{other} is not a workload that runs on its own").into()),
+async fn workload_run(workload: Workload, settings: &Settings) -> Result<Value, Error> {
+    match workload {
+        Workload::Enqueue => enqueue(settings).await,
+        Workload::SqlFloor => sql_floor(settings).await,
+        Workload::DispatchMemory => dispatch_memory(settings).await,
+        Workload::DrainMemory => drain_memory(settings, 0).await,
+        Workload::DrainMemoryResults => drain_memory(settings, RESULT_BYTES).await,
+        Workload::RawLocalStack => raw_localstack(settings).await,
+        Workload::DispatchLocalStack => dispatch_localstack(settings).await,
+        Workload::DrainLocalStack => drain_localstack(settings).await,
+        Workload::Pickup(side) => Ok(pickup_turns(&[side], settings).await?.remove(0)),
     }
 }
 
@@ -863,13 +901,12 @@ enum Pickup {
 }
 
 impl Pickup {
-    /// Sets up the side `workload` names ([`PICKUPS`]), idle.
-    async fn start(workload: &str, settings: &Settings) -> Result<Self, Error> {
-        Ok(match workload {
-            "latency-floor" => Pickup::Floor(LatencyFloor::start(settings).await?),
-            "latency-memory" => Pickup::Memory(LatencyMemory::start(settings).await?),
-            "latency-localstack" => Pickup::LocalStack(LatencyLocalStack::start(settings).await?),
-            other => return Err(format!("{other} is not a pickup-latency workload").into()),
+    /// Sets up `side`, idle.
+    async fn start(side: Side, settings: &Settings) -> Result<Self, Error> {
+        Ok(match side {
+            Side::Floor => Pickup::Floor(LatencyFloor::start(settings).await?),
+            Side::Memory => Pickup::Memory(LatencyMemory::start(settings).await?),
+            Side::LocalStack => Pickup::LocalStack(LatencyLocalStack::start(settings).await?),
         })
     }
 
@@ -894,35 +931,35 @@ impl Pickup {
 /// second at 100/s.
 const LATENCY_TURN: usize = 100;
 
-/// The pickup latencies `workloads` names ([`PICKUPS`]: the floor and rowq's in-memory pickup,
-/// or either, or rowq's pickup through LocalStack), all set up and idle at once, taking turns of
+/// The pickup latencies of `sides` (the floor and rowq's in-memory pickup, or either, or rowq's
+/// pickup through LocalStack), all set up and idle at once, taking turns of
 /// [`LATENCY_TURN`] jobs, one insert every 1/rate seconds throughout: each side inserts its
 /// `latency_n` jobs one at a time at the rate, while the others are idle (a notification reaches
 /// only its own database's listeners). Run one after the other, ~12 s apart, the floor's p50
 /// moved by a third between the pairs of one run with the machine; taking turns every second,
 /// both see the same minutes, and their ratio is rowq's, not the machine's drift
 /// (docs/benchmarks-log.md, the fifteenth round). Alone, a side is one trickle at the rate.
-async fn pickup_turns(workloads: &[&str], settings: &Settings) -> Result<Vec<Value>, Error> {
-    let mut sides = Vec::new();
-    for workload in workloads {
-        sides.push(Pickup::start(workload, settings).await?);
+async fn pickup_turns(sides: &[Side], settings: &Settings) -> Result<Vec<Value>, Error> {
+    let mut pickups = Vec::new();
+    for side in sides {
+        pickups.push(Pickup::start(*side, settings).await?);
     }
     let mut afters = Vec::new();
-    for side in &sides {
-        afters.push(warm_up(side.pool(), settings.rate).await?);
+    for pickup in &pickups {
+        afters.push(warm_up(pickup.pool(), settings.rate).await?);
     }
     let mut ticks = ticker(settings.rate);
     let mut left = settings.latency_n;
     while left > 0 {
         let turn = left.min(LATENCY_TURN);
-        for side in &sides {
-            trickle(&mut ticks, side.pool(), turn).await?;
+        for pickup in &pickups {
+            trickle(&mut ticks, pickup.pool(), turn).await?;
         }
         left -= turn;
     }
     let mut results = Vec::new();
-    for (side, after) in sides.into_iter().zip(afters) {
-        results.push(side.finish(settings, after).await?);
+    for (pickup, after) in pickups.into_iter().zip(afters) {
+        results.push(pickup.finish(settings, after).await?);
     }
     Ok(results)
 }
