@@ -32,9 +32,17 @@ use tokio::sync::watch;
 
 type Error = Box<dyn std::error::Error>;
 
-/// A workload that runs on its own, or a side of the pickup latencies ([`pickup_turns`]).
+/// A workload: one that runs on its own, or a side of the pickup latencies, which run together
+/// in turns ([`pickup_turns`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Workload {
+    Alone(Solo),
+    Pickup(Side),
+}
+
+/// A workload that runs on its own ([`solo_run`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Solo {
     Enqueue,
     SqlFloor,
     DispatchMemory,
@@ -43,7 +51,6 @@ enum Workload {
     RawLocalStack,
     DispatchLocalStack,
     DrainLocalStack,
-    Pickup(Side),
 }
 
 /// A side of the pickup-latency measurement.
@@ -56,16 +63,16 @@ enum Side {
 
 /// Every workload by its name (`BENCH_ONLY`), in the order a full run takes them.
 const WORKLOADS: [(&str, Workload); 11] = [
-    ("enqueue", Workload::Enqueue),
-    ("sql-floor", Workload::SqlFloor),
-    ("dispatch-memory", Workload::DispatchMemory),
-    ("drain-memory", Workload::DrainMemory),
-    ("drain-memory-results", Workload::DrainMemoryResults),
+    ("enqueue", Workload::Alone(Solo::Enqueue)),
+    ("sql-floor", Workload::Alone(Solo::SqlFloor)),
+    ("dispatch-memory", Workload::Alone(Solo::DispatchMemory)),
+    ("drain-memory", Workload::Alone(Solo::DrainMemory)),
+    ("drain-memory-results", Workload::Alone(Solo::DrainMemoryResults)),
     ("latency-floor", Workload::Pickup(Side::Floor)),
     ("latency-memory", Workload::Pickup(Side::Memory)),
-    ("raw-localstack", Workload::RawLocalStack),
-    ("dispatch-localstack", Workload::DispatchLocalStack),
-    ("drain-localstack", Workload::DrainLocalStack),
+    ("raw-localstack", Workload::Alone(Solo::RawLocalStack)),
+    ("dispatch-localstack", Workload::Alone(Solo::DispatchLocalStack)),
+    ("drain-localstack", Workload::Alone(Solo::DrainLocalStack)),
     ("latency-localstack", Workload::Pickup(Side::LocalStack)),
 ];
 
@@ -77,9 +84,9 @@ const WORKLOADS: [(&str, Workload); 11] = [
 /// ([`pickup_turns`]); a LocalStack pair 25–55 s, so it runs two (their mean), which keeps a
 /// clean clone's `make bench` inside its 10-minute budget (docs/benchmarks-log.md, runs 29–33).
 const PAIRED: [([Workload; 2], usize); 3] = [
-    ([Workload::SqlFloor, Workload::DrainMemory], 5),
+    ([Workload::Alone(Solo::SqlFloor), Workload::Alone(Solo::DrainMemory)], 5),
     ([Workload::Pickup(Side::Floor), Workload::Pickup(Side::Memory)], 3),
-    ([Workload::RawLocalStack, Workload::DrainLocalStack], 2),
+    ([Workload::Alone(Solo::RawLocalStack), Workload::Alone(Solo::DrainLocalStack)], 2),
 ];
 
 /// The system allocator, counting: how many times this process asked for memory (an allocation,
@@ -232,37 +239,35 @@ fn bench_only() -> Result<Vec<Workload>, Error> {
         .collect()
 }
 
-/// One run of each workload of `group` (a workload alone, or a pair with its floor): one after
-/// the other, but pickup latencies, alone or with their floor, in turns ([`pickup_turns`]).
+/// One run of each workload of `group` (a workload alone, or a pair with its floor): the pickup
+/// latencies among them together, in turns ([`pickup_turns`]), the others one after the other.
 async fn group_run(group: &[Workload], settings: &Settings) -> Result<Vec<Value>, Error> {
     let sides: Vec<Side> = group
         .iter()
         .filter_map(|workload| match workload {
             Workload::Pickup(side) => Some(*side),
-            _ => None,
+            Workload::Alone(_) => None,
         })
         .collect();
-    if sides.len() == group.len() {
-        return pickup_turns(&sides, settings).await;
-    }
-    let mut results = Vec::new();
+    let mut results = if sides.is_empty() { Vec::new() } else { pickup_turns(&sides, settings).await? };
     for workload in group {
-        results.push(workload_run(*workload, settings).await?);
+        if let Workload::Alone(solo) = workload {
+            results.push(solo_run(*solo, settings).await?);
+        }
     }
     Ok(results)
 }
 
-async fn workload_run(workload: Workload, settings: &Settings) -> Result<Value, Error> {
-    match workload {
-        Workload::Enqueue => enqueue(settings).await,
-        Workload::SqlFloor => sql_floor(settings).await,
-        Workload::DispatchMemory => dispatch_memory(settings).await,
-        Workload::DrainMemory => drain_memory(settings, 0).await,
-        Workload::DrainMemoryResults => drain_memory(settings, RESULT_BYTES).await,
-        Workload::RawLocalStack => raw_localstack(settings).await,
-        Workload::DispatchLocalStack => dispatch_localstack(settings).await,
-        Workload::DrainLocalStack => drain_localstack(settings).await,
-        Workload::Pickup(side) => Ok(pickup_turns(&[side], settings).await?.remove(0)),
+async fn solo_run(solo: Solo, settings: &Settings) -> Result<Value, Error> {
+    match solo {
+        Solo::Enqueue => enqueue(settings).await,
+        Solo::SqlFloor => sql_floor(settings).await,
+        Solo::DispatchMemory => dispatch_memory(settings).await,
+        Solo::DrainMemory => drain_memory(settings, 0).await,
+        Solo::DrainMemoryResults => drain_memory(settings, RESULT_BYTES).await,
+        Solo::RawLocalStack => raw_localstack(settings).await,
+        Solo::DispatchLocalStack => dispatch_localstack(settings).await,
+        Solo::DrainLocalStack => drain_localstack(settings).await,
     }
 }
 
