@@ -535,7 +535,9 @@ impl Progress {
     }
 }
 
-/// In-memory consumers: what the event source does, with the MemoryPublisher as the queue.
+/// In-memory consumers: what the event source does, with the MemoryPublisher as the queue. As
+/// there, a consumer takes its next batch when the handlers of the one before have returned
+/// (`EventSource::run`), while that batch's outcomes are recorded.
 fn memory_consumers(
     publisher: Arc<Scheduler<Arc<MemoryPublisher>>>,
     worker: Arc<Worker>,
@@ -548,6 +550,7 @@ fn memory_consumers(
             let (scheduler, worker, stop, progress) =
                 (publisher.clone(), worker.clone(), stop.clone(), progress.clone());
             tokio::spawn(async move {
+                let mut finishing: Option<tokio::task::JoinHandle<()>> = None;
                 while !stop.load(Ordering::Relaxed) {
                     let batch = scheduler.publisher().receive(10, Duration::from_millis(50)).await;
                     if batch.is_empty() {
@@ -566,9 +569,28 @@ fn memory_consumers(
                             record
                         })
                         .collect();
-                    let response = worker.handle_batch(event, Instant::now() + Duration::from_secs(60)).await;
-                    let acknowledged = records - response.batch_item_failures.len();
-                    progress.acknowledged.send_modify(|n| *n += acknowledged);
+                    let (returned, handlers_returned) = tokio::sync::oneshot::channel();
+                    let delivery = tokio::spawn({
+                        let (worker, progress) = (worker.clone(), progress.clone());
+                        async move {
+                            let deadline = Instant::now() + Duration::from_secs(60);
+                            let response = worker.handle_batch_then(event, deadline, Some(returned)).await;
+                            let acknowledged = records - response.batch_item_failures.len();
+                            progress.acknowledged.send_modify(|n| *n += acknowledged);
+                        }
+                    });
+                    let early = handlers_returned.await.is_ok();
+                    if let Some(previous) = finishing.take() {
+                        let _ = previous.await;
+                    }
+                    if early {
+                        finishing = Some(delivery);
+                    } else {
+                        let _ = delivery.await;
+                    }
+                }
+                if let Some(last) = finishing {
+                    let _ = last.await;
                 }
             })
         })

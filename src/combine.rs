@@ -38,8 +38,12 @@ use tokio::time::Instant;
 /// fences and finishes in separate queues and again in one (BENCHMARKS.md).
 pub const STATEMENTS_IN_FLIGHT: usize = 2;
 
-/// The most requests in one statement: the fence returns each job's payload (up to 1 MiB).
-pub const MAX_REQUESTS: usize = 100;
+/// The most requests in one statement: one batch's finish and the next batch's fence for each
+/// of ten pollers (`EventSource::run`). The fence returns each job's payload (up to 1 MiB):
+/// those of jobs this process is about to run, which it holds while they run anyway. At 100,
+/// eight pollers' finishes and fences (160 requests) went in two statements with a commit
+/// each, and the in-memory drain ran 15–20% slower (BENCHMARKS.md, round 22).
+pub const MAX_REQUESTS: usize = 200;
 
 /// How many times the combiner lets the other ready tasks run, while no request is waiting,
 /// before it sends a statement. The batches a statement answers come straight back with their

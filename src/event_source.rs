@@ -4,6 +4,11 @@
 //! deadline like an invocation's, deletes the records not reported as failures, and leaves
 //! the failures to reappear after the visibility timeout. Several pollers run at once.
 //!
+//! A poller takes its next batch as soon as the handlers of the one before have returned,
+//! while that batch's outcomes are recorded and its messages deleted ([`HandlersReturned`]):
+//! its handlers never run beside the next batch's, and the next batch's fence goes to Postgres
+//! in the same statement as the previous batch's finish (`store::run::step`).
+//!
 //! It calls the worker's own [`crate::Worker::handle_batch`] (or the DLQ handler): it is a
 //! transport, not a second implementation of the worker.
 
@@ -17,12 +22,18 @@ use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, Message, MessageSystemAttributeName};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 use crate::sqs::{self, MAX_BATCH, SqsError};
 
 /// Pause after a failed receive, so an unreachable endpoint is not hammered.
 const RECEIVE_RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// Given to the handler with each batch, to send on when the batch's handlers have returned
+/// and only its outcomes are left to record ([`crate::Worker::handle_batch_then`]): the poller
+/// then takes its next batch. A handler that drops it unsent is waited for to the end, one
+/// batch at a time.
+pub type HandlersReturned = oneshot::Sender<()>;
 
 /// Counts over a run, readable while it runs.
 #[derive(Debug, Default)]
@@ -71,10 +82,16 @@ impl EventSource {
 
     /// Runs `pollers` concurrent pollers until `shutdown` turns `true`. A batch being handled
     /// is always finished (handled and deleted) before a poller stops.
+    ///
+    /// Each poller holds one batch whose handlers run and, at most, one before it whose
+    /// outcomes are being recorded and messages deleted: it receives again when the handler
+    /// sends on [`HandlersReturned`], or returns. FIFO order is kept by SQS, which delivers no
+    /// message of a group while an earlier one of that group is in flight (received and not
+    /// yet deleted).
     pub async fn run<H, F>(self: Arc<Self>, pollers: usize, handler: H, shutdown: watch::Receiver<bool>)
     where
-        H: Fn(SqsEvent, Instant) -> F + Clone + Send + Sync + 'static,
-        F: Future<Output = SqsBatchResponse> + Send,
+        H: Fn(SqsEvent, Instant, HandlersReturned) -> F + Clone + Send + Sync + 'static,
+        F: Future<Output = SqsBatchResponse> + Send + 'static,
     {
         let mut tasks = tokio::task::JoinSet::new();
         for _ in 0..pollers.max(1) {
@@ -82,11 +99,28 @@ impl EventSource {
             let handler = handler.clone();
             let mut shutdown = shutdown.clone();
             tasks.spawn(async move {
+                let mut finishing: Option<tokio::task::JoinHandle<()>> = None;
                 while !*shutdown.borrow() {
                     tokio::select! {
                         _ = shutdown.changed() => break,
                         messages = source.receive() => match messages {
-                            Ok(messages) => source.deliver(messages, &handler).await,
+                            Ok(messages) if messages.is_empty() => {}
+                            Ok(messages) => {
+                                let (returned, handlers_returned) = oneshot::channel();
+                                let delivery = tokio::spawn({
+                                    let (source, handler) = (source.clone(), handler.clone());
+                                    async move { source.deliver(messages, &handler, returned).await }
+                                });
+                                let early = handlers_returned.await.is_ok();
+                                if let Some(previous) = finishing.take() {
+                                    joined(previous).await;
+                                }
+                                if early {
+                                    finishing = Some(delivery);
+                                } else {
+                                    joined(delivery).await;
+                                }
+                            }
                             Err(error) => {
                                 source.totals.receive_errors.fetch_add(1, Ordering::Relaxed);
                                 tracing::warn!(error = %error, "receive failed; retrying");
@@ -94,6 +128,9 @@ impl EventSource {
                             }
                         },
                     }
+                }
+                if let Some(last) = finishing {
+                    joined(last).await;
                 }
             });
         }
@@ -107,12 +144,12 @@ impl EventSource {
     /// One receive → handle → delete cycle; returns how many records were handled.
     pub async fn poll_once<H, F>(&self, handler: &H) -> Result<usize, SqsError>
     where
-        H: Fn(SqsEvent, Instant) -> F,
+        H: Fn(SqsEvent, Instant, HandlersReturned) -> F,
         F: Future<Output = SqsBatchResponse>,
     {
         let messages = self.receive().await?;
         let count = messages.len();
-        self.deliver(messages, handler).await;
+        self.deliver(messages, handler, oneshot::channel().0).await;
         Ok(count)
     }
 
@@ -130,9 +167,9 @@ impl EventSource {
         Ok(output.messages.unwrap_or_default())
     }
 
-    async fn deliver<H, F>(&self, messages: Vec<Message>, handler: &H)
+    async fn deliver<H, F>(&self, messages: Vec<Message>, handler: &H, returned: HandlersReturned)
     where
-        H: Fn(SqsEvent, Instant) -> F,
+        H: Fn(SqsEvent, Instant, HandlersReturned) -> F,
         F: Future<Output = SqsBatchResponse>,
     {
         if messages.is_empty() {
@@ -141,7 +178,7 @@ impl EventSource {
         let mut event = SqsEvent::default();
         event.records = messages.iter().map(|m| self.record(m)).collect();
         let deadline = Instant::now() + self.function_timeout;
-        let response = handler(event, deadline).await;
+        let response = handler(event, deadline, returned).await;
         let failed: HashSet<&str> = response.batch_item_failures.iter().map(|f| f.item_identifier.as_str()).collect();
         self.totals.batches.fetch_add(1, Ordering::Relaxed);
         self.totals.records.fetch_add(messages.len() as u64, Ordering::Relaxed);
@@ -198,5 +235,13 @@ impl EventSource {
                 }
             }
         }
+    }
+}
+
+/// Waits for a poller's batch to be handled and deleted; a panic in it is logged, and the
+/// poller goes on.
+async fn joined(delivery: tokio::task::JoinHandle<()>) {
+    if let Err(error) = delivery.await {
+        tracing::error!(error = %error, "a batch's delivery stopped abnormally");
     }
 }

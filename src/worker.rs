@@ -22,6 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent, SqsMessage};
 use rand::Rng;
 use sqlx::PgPool;
+use tokio::sync::oneshot;
 
 use crate::combine::{self, Combiner};
 use crate::config::WorkerConfig;
@@ -96,6 +97,21 @@ impl Worker {
 
     /// Handles one SQS batch; `deadline` is when the invocation ends (Lambda's deadline).
     pub async fn handle_batch(&self, event: SqsEvent, deadline: Instant) -> SqsBatchResponse {
+        self.handle_batch_then(event, deadline, None).await
+    }
+
+    /// [`handle_batch`](Self::handle_batch), saying on `ran` when the batch's last handlers
+    /// have returned, before their outcomes are recorded (or dropping it unsent when the batch
+    /// ends otherwise). A poller that holds several batches in one process (the local event
+    /// source) takes its next batch then: its fence meets this batch's finish in the combiner,
+    /// one statement and one commit for both, and no more than one batch of its handlers runs
+    /// at a time.
+    pub async fn handle_batch_then(
+        &self,
+        event: SqsEvent,
+        deadline: Instant,
+        mut ran: Option<oneshot::Sender<()>>,
+    ) -> SqsBatchResponse {
         let groups = group_records(event.records);
         let mut failures: Vec<String> = Vec::new();
         let mut cursors = vec![0usize; groups.len()];
@@ -114,7 +130,9 @@ impl Worker {
             for (g, _) in &round {
                 cursors[*g] += 1;
             }
-            for failed in self.run_round(&round, deadline).await {
+            let last = groups.iter().enumerate().all(|(g, records)| failed_groups[g] || cursors[g] >= records.len());
+            let ran = if last { ran.take() } else { None };
+            for failed in self.run_round(&round, deadline, ran).await {
                 failed_groups[failed] = true;
             }
         }
@@ -128,9 +146,14 @@ impl Worker {
         batch_response(failures)
     }
 
-    /// Fences, runs and finishes one record per group. Returns the groups that hit an
-    /// infrastructure failure.
-    async fn run_round(&self, round: &[(usize, Record)], deadline: Instant) -> Vec<usize> {
+    /// Fences, runs and finishes one record per group, saying on `ran` when the handlers have
+    /// returned. Returns the groups that hit an infrastructure failure.
+    async fn run_round(
+        &self,
+        round: &[(usize, Record)],
+        deadline: Instant,
+        ran: Option<oneshot::Sender<()>>,
+    ) -> Vec<usize> {
         let left = deadline.saturating_duration_since(Instant::now());
         let remaining = left.saturating_sub(self.config.deadline_margin);
         if remaining.is_zero() {
@@ -179,6 +202,9 @@ impl Worker {
             }
         }
         let executions = futures::future::join_all(runs).await;
+        if let Some(ran) = ran {
+            let _ = ran.send(());
+        }
         let failed_records = self.record_outcomes(executions).await;
         failed_records.iter().filter_map(|id| group_of.get(id).copied()).collect()
     }

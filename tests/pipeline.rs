@@ -7,9 +7,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
+use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
-use rowq::event_source::EventSource;
+use rowq::event_source::{EventSource, HandlersReturned};
 use rowq::pipeline::Pipeline;
 use rowq::store::dispatch::claim_due;
 use rowq::{JobContext, JobError, JobMessage, JobState, Registry, Scheduler, SqsPublisher, Worker, dlq};
@@ -81,9 +81,9 @@ async fn every_message_delivered_twice_still_runs_each_job_once() {
             .unwrap(),
     );
     let worker = Arc::new(Worker::new(pool.clone(), effect_registry(), common::worker_config()));
-    let handler = move |event: SqsEvent, deadline: Instant| {
+    let handler = move |event: SqsEvent, deadline: Instant, returned| {
         let worker = worker.clone();
-        async move { worker.handle_batch(event, deadline).await }
+        async move { worker.handle_batch_then(event, deadline, Some(returned)).await }
     };
     let (stop, shutdown) = tokio::sync::watch::channel(false);
     let running = tokio::spawn(source.clone().run(4, handler, shutdown));
@@ -109,6 +109,104 @@ async fn every_message_delivered_twice_still_runs_each_job_once() {
     assert!(leftover.is_empty(), "messages left on the queue: {}", leftover.len());
 }
 
+/// What one poller's handler calls saw.
+#[derive(Debug, Default)]
+struct PollerTrace {
+    batches: usize,
+    in_handlers: usize,
+    most_in_handlers: usize,
+    next_began_while_finishing: usize,
+}
+
+/// A poller takes its next batch as soon as the handler says the handlers of the last one have
+/// returned, while that batch is still recording its outcomes; never two batches' handlers at
+/// once; and from a handler that never says so, one batch after the other, as before.
+#[tokio::test]
+async fn a_poller_takes_its_next_batch_when_the_handlers_of_the_last_one_have_returned() {
+    let client = common::sqs().await;
+    for tells in [true, false] {
+        let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+        for chunk in 0..2 {
+            let entries = (0..10)
+                .map(|i| {
+                    let n = chunk * 10 + i;
+                    SendMessageBatchRequestEntry::builder()
+                        .id(i.to_string())
+                        .message_body(JobMessage::new(rowq::JobId(n), 1).encode())
+                        .message_group_id(format!("g{n}"))
+                        .message_deduplication_id(format!("d{n}"))
+                        .build()
+                        .unwrap()
+                })
+                .collect();
+            client.send_message_batch().queue_url(&queues.queue_url).set_entries(Some(entries)).send().await.unwrap();
+        }
+        let trace: Arc<std::sync::Mutex<PollerTrace>> = Arc::default();
+        let handler = {
+            let trace = trace.clone();
+            move |_event: SqsEvent, _deadline: Instant, returned: HandlersReturned| {
+                let trace = trace.clone();
+                async move {
+                    let batch = {
+                        let mut t = trace.lock().unwrap();
+                        t.batches += 1;
+                        t.in_handlers += 1;
+                        t.most_in_handlers = t.most_in_handlers.max(t.in_handlers);
+                        t.batches
+                    };
+                    tokio::time::sleep(Duration::from_millis(50)).await; // the handlers
+                    trace.lock().unwrap().in_handlers -= 1;
+                    let unsent = if tells {
+                        returned.send(()).unwrap();
+                        None
+                    } else {
+                        Some(returned)
+                    };
+                    // The outcomes being recorded: long enough for the next batch to begin, if it may.
+                    let finishing = Instant::now();
+                    while finishing.elapsed() < Duration::from_millis(1500) {
+                        let began = {
+                            let mut t = trace.lock().unwrap();
+                            let began = t.batches > batch;
+                            t.next_began_while_finishing += usize::from(began);
+                            began
+                        };
+                        if began {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    drop(unsent);
+                    SqsBatchResponse::default()
+                }
+            }
+        };
+        let source = Arc::new(
+            EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(30))
+                .await
+                .unwrap(),
+        );
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let running = tokio::spawn(source.clone().run(1, handler, shutdown));
+        common::eventually(Duration::from_secs(30), "all 20 messages handled", || {
+            let records = source.totals().records.load(std::sync::atomic::Ordering::Relaxed);
+            async move { (records >= 20).then_some(()) }
+        })
+        .await;
+        stop.send(true).unwrap();
+        running.await.unwrap();
+        let trace = std::mem::take(&mut *trace.lock().unwrap());
+        assert_eq!(trace.most_in_handlers, 1, "two batches' handlers ran at once: {trace:?}");
+        if tells {
+            assert!(trace.next_began_while_finishing >= 1, "the next batch waited for the last to finish: {trace:?}");
+        } else {
+            assert_eq!(trace.next_began_while_finishing, 0, "a batch began before the last one ended: {trace:?}");
+        }
+        let leftover = common::drain_queue(&client, &queues.queue_url, Duration::from_secs(1)).await;
+        assert!(leftover.is_empty(), "messages left on the queue: {}", leftover.len());
+    }
+}
+
 #[tokio::test]
 async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_their_jobs() {
     let pool = common::database().await;
@@ -129,7 +227,7 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
     let source = EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(10))
         .await
         .unwrap();
-    let handler = move |event: SqsEvent, deadline: Instant| {
+    let handler = move |event: SqsEvent, deadline: Instant, _returned| {
         let broken = broken.clone();
         async move { broken.handle_batch(event, deadline).await }
     };
@@ -157,7 +255,7 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
     let dlq = EventSource::new(client.clone(), &queues.dlq_url, Duration::from_secs(1), Duration::from_secs(10))
         .await
         .unwrap();
-    let dlq_handler = |event: SqsEvent, _deadline: Instant| {
+    let dlq_handler = |event: SqsEvent, _deadline: Instant, _returned| {
         let pool = pool.clone();
         async move { dlq::handle_batch(&pool, event).await }
     };

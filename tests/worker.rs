@@ -705,6 +705,83 @@ async fn batches_handled_at_once_by_one_worker_share_their_fence_and_finish_stat
     assert!(fences <= 2 && finishes <= 2, "{fences} fences, {finishes} finishes for 8 batches");
 }
 
+/// What the local event source does with eight pollers: each takes its next batch when the
+/// handlers of the one before have returned (`handle_batch_then`), so the eight finishes and
+/// the eight next fences (160 requests) meet in the combiner and go as one statement: one
+/// commit, whose `now()` is the first batches' `finished_at` and the next batches' `started_at`.
+/// (Two statements are allowed, as in the test above: the combiner gathers by the clock, and a
+/// loaded machine can split them; a finish and a fence still share one.) Told only after the
+/// finish, the next fences would share no statement with it.
+#[tokio::test]
+async fn a_batch_taken_when_the_last_ones_handlers_returned_is_fenced_with_its_finish() {
+    let pool = common::database().await;
+    common::enqueue_many(&pool, "noop", 160).await;
+    let worker = worker(&pool);
+    let mut batches = claimed_batches(&pool, 10).await;
+    assert_eq!(batches.len(), 16);
+    let next_batches = batches.split_off(8);
+    let pollers = batches.into_iter().zip(next_batches.clone()).map(|(first, next)| {
+        let worker = &worker;
+        async move {
+            let (returned, handlers_returned) = tokio::sync::oneshot::channel();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let (first, next) = tokio::join!(worker.handle_batch_then(event(first), deadline, Some(returned)), async {
+                handlers_returned.await.expect("told when the handlers returned");
+                deliver(worker, next).await
+            });
+            assert!(first.batch_item_failures.is_empty() && next.is_empty(), "{first:?} {next:?}");
+        }
+    });
+    futures::future::join_all(pollers).await;
+    assert_eq!(common::count_in_state(&pool, JobState::Succeeded).await, 160);
+    let next_ids: Vec<i64> = next_batches
+        .iter()
+        .flatten()
+        .map(|r| JobMessage::decode(r.body.as_deref().unwrap()).unwrap().job_id.0)
+        .collect();
+    let (statements, shared): (i64, i64) = sqlx::query_as(
+        "WITH at AS (SELECT finished_at AS t, 'finish' AS what FROM rowq.jobs WHERE id <> ALL ($1)
+                     UNION ALL SELECT started_at, 'fence' FROM rowq.jobs WHERE id = ANY ($1))
+         SELECT (SELECT count(DISTINCT t) FROM at),
+                (SELECT count(*) FROM (SELECT t FROM at GROUP BY t HAVING count(DISTINCT what) = 2) s)",
+    )
+    .bind(&next_ids)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    println!("8 finishes and the 8 next fences: {statements} statement(s), {shared} with both");
+    assert!(statements <= 2 && shared >= 1, "{statements} statements, {shared} with a finish and a fence");
+}
+
+/// `handle_batch_then` says so only when the last round of a batch has run: two records of one
+/// group run one after the other, and the second's handler has returned when it does.
+#[tokio::test]
+async fn a_batch_says_its_handlers_returned_only_after_its_last_round() {
+    let pool = common::database().await;
+    let returned_handlers = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = returned_handlers.clone();
+    let registry = Registry::new().register("count", move |_: JobContext, _: serde_json::Value| {
+        let counted = counted.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        }
+    });
+    let worker = Worker::new(pool.clone(), registry, common::worker_config());
+    let ids = [common::enqueue(&pool, "count", json!({})).await, common::enqueue(&pool, "count", json!({})).await];
+    claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    let records = ids.iter().map(|id| record(&format!("m{}", id.0), "one-group", message(*id, 1))).collect();
+    let (returned, handlers_returned) = tokio::sync::oneshot::channel();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (response, seen) = tokio::join!(worker.handle_batch_then(event(records), deadline, Some(returned)), async {
+        handlers_returned.await.expect("told when the handlers returned");
+        returned_handlers.load(std::sync::atomic::Ordering::SeqCst)
+    });
+    assert!(response.batch_item_failures.is_empty());
+    assert_eq!(seen, 2, "told before the second round's handler returned");
+}
+
 #[tokio::test]
 async fn a_job_delivered_to_two_batches_handled_at_once_runs_once() {
     let pool = common::database().await;
