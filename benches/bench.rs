@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
 use rowq::config::EventSourceConfig;
+use rowq::event_source::PollerBatches;
 use rowq::pipeline::{Pipeline, PipelineConfig};
 use rowq::sqs::{MemoryPublisher, SqsPublisher};
 use rowq::{Registry, Scheduler, Worker};
@@ -536,8 +537,8 @@ impl Progress {
 }
 
 /// In-memory consumers: what the event source does, with the MemoryPublisher as the queue. As
-/// there, a consumer takes its next batch when the handlers of the one before have returned
-/// (`EventSource::run`), while that batch's outcomes are recorded.
+/// there, a consumer takes its next batch when the handlers of the one before have returned,
+/// while that batch's outcomes are recorded (`PollerBatches`).
 fn memory_consumers(
     publisher: Arc<Scheduler<Arc<MemoryPublisher>>>,
     worker: Arc<Worker>,
@@ -550,7 +551,7 @@ fn memory_consumers(
             let (scheduler, worker, stop, progress) =
                 (publisher.clone(), worker.clone(), stop.clone(), progress.clone());
             tokio::spawn(async move {
-                let mut finishing: Option<tokio::task::JoinHandle<()>> = None;
+                let mut batches = PollerBatches::default();
                 while !stop.load(Ordering::Relaxed) {
                     let batch = scheduler.publisher().receive(10, Duration::from_millis(50)).await;
                     if batch.is_empty() {
@@ -579,19 +580,9 @@ fn memory_consumers(
                             progress.acknowledged.send_modify(|n| *n += acknowledged);
                         }
                     });
-                    let early = handlers_returned.await.is_ok();
-                    if let Some(previous) = finishing.take() {
-                        let _ = previous.await;
-                    }
-                    if early {
-                        finishing = Some(delivery);
-                    } else {
-                        let _ = delivery.await;
-                    }
+                    batches.hand_over(delivery, handlers_returned).await;
                 }
-                if let Some(last) = finishing {
-                    let _ = last.await;
-                }
+                batches.finish().await;
             })
         })
         .collect()

@@ -99,7 +99,7 @@ impl EventSource {
             let handler = handler.clone();
             let mut shutdown = shutdown.clone();
             tasks.spawn(async move {
-                let mut finishing: Option<tokio::task::JoinHandle<()>> = None;
+                let mut batches = PollerBatches::default();
                 while !*shutdown.borrow() {
                     tokio::select! {
                         _ = shutdown.changed() => break,
@@ -111,15 +111,7 @@ impl EventSource {
                                     let (source, handler) = (source.clone(), handler.clone());
                                     async move { source.deliver(messages, &handler, returned).await }
                                 });
-                                let early = handlers_returned.await.is_ok();
-                                if let Some(previous) = finishing.take() {
-                                    joined(previous).await;
-                                }
-                                if early {
-                                    finishing = Some(delivery);
-                                } else {
-                                    joined(delivery).await;
-                                }
+                                batches.hand_over(delivery, handlers_returned).await;
                             }
                             Err(error) => {
                                 source.totals.receive_errors.fetch_add(1, Ordering::Relaxed);
@@ -129,9 +121,7 @@ impl EventSource {
                         },
                     }
                 }
-                if let Some(last) = finishing {
-                    joined(last).await;
-                }
+                batches.finish().await;
             });
         }
         while let Some(joined) = tasks.join_next().await {
@@ -234,6 +224,37 @@ impl EventSource {
                     tracing::warn!(error = %DisplayErrorContext(error), "handled messages could not be deleted; they will be redelivered and dropped")
                 }
             }
+        }
+    }
+}
+
+/// One poller's batches: the one whose handlers run and, at most, one before it whose outcomes
+/// are being recorded (and messages deleted). The in-memory benchmark's consumers use it too.
+#[derive(Debug, Default)]
+pub struct PollerBatches {
+    finishing: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl PollerBatches {
+    /// Takes `delivery`, a batch just handed to its handler in a task of its own, and waits until
+    /// its handlers have returned, as told on `handlers_returned`, or, if the handler drops that
+    /// unsent, until the delivery is done. The batch before it is done by then too.
+    pub async fn hand_over(&mut self, delivery: tokio::task::JoinHandle<()>, handlers_returned: oneshot::Receiver<()>) {
+        let early = handlers_returned.await.is_ok();
+        if let Some(previous) = self.finishing.take() {
+            joined(previous).await;
+        }
+        if early {
+            self.finishing = Some(delivery);
+        } else {
+            joined(delivery).await;
+        }
+    }
+
+    /// Waits for the batch still finishing, if there is one.
+    pub async fn finish(self) {
+        if let Some(last) = self.finishing {
+            joined(last).await;
         }
     }
 }
