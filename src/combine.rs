@@ -42,7 +42,8 @@ pub const STATEMENTS_IN_FLIGHT: usize = 2;
 /// of ten pollers (`EventSource::run`). The fence returns each job's payload (up to 1 MiB):
 /// those of jobs this process is about to run, which it holds while they run anyway. At 100,
 /// eight pollers' finishes and fences (160 requests) went in two statements with a commit
-/// each, and the in-memory drain ran 15–20% slower (BENCHMARKS.md, round 22).
+/// each: 520–531 WAL flushes in a drain of 20,000 jobs, against 275–282 at 200 (BENCHMARKS.md,
+/// round 22).
 pub const MAX_REQUESTS: usize = 200;
 
 /// How many times the combiner lets the other ready tasks run, while no request is waiting,
