@@ -705,52 +705,50 @@ async fn batches_handled_at_once_by_one_worker_share_their_fence_and_finish_stat
     assert!(fences <= 2 && finishes <= 2, "{fences} fences, {finishes} finishes for 8 batches");
 }
 
-/// What the local event source does with eight pollers: each takes its next batch when the
-/// handlers of the one before have returned (`handle_batch_then`), so the eight finishes and
-/// the eight next fences (160 requests) meet in the combiner and go as one statement: one
-/// commit, whose `now()` is the first batches' `finished_at` and the next batches' `started_at`.
-/// (Two statements are allowed, as in the test above: the combiner gathers by the clock, and a
-/// loaded machine can split them; a finish and a fence still share one.) Told only after the
-/// finish, the next fences would share no statement with it.
+/// `handle_batch_then` says the handlers have returned before the batch's outcomes are
+/// recorded: that is what lets the next batch's fence go in the same statement as this finish
+/// (`run::step`). Here the finish is held back by a lock on the job's row, which the handler
+/// takes in a transaction of its own and leaves open: the poller must be told while the row is
+/// still `running`. Told only after the finish, it is not told at all while the lock is held
+/// (the test gives up waiting after 10 s, then releases it).
 #[tokio::test]
-async fn a_batch_taken_when_the_last_ones_handlers_returned_is_fenced_with_its_finish() {
+async fn a_batch_says_its_handlers_returned_before_its_outcomes_are_recorded() {
     let pool = common::database().await;
-    common::enqueue_many(&pool, "noop", 160).await;
-    let worker = worker(&pool);
-    let mut batches = claimed_batches(&pool, 10).await;
-    assert_eq!(batches.len(), 16);
-    let next_batches = batches.split_off(8);
-    let pollers = batches.into_iter().zip(next_batches.clone()).map(|(first, next)| {
-        let worker = &worker;
-        async move {
-            let (returned, handlers_returned) = tokio::sync::oneshot::channel();
-            let deadline = Instant::now() + Duration::from_secs(30);
-            let (first, next) = tokio::join!(worker.handle_batch_then(event(first), deadline, Some(returned)), async {
-                handlers_returned.await.expect("told when the handlers returned");
-                deliver(worker, next).await
-            });
-            assert!(first.batch_item_failures.is_empty() && next.is_empty(), "{first:?} {next:?}");
+    let held: Arc<tokio::sync::Mutex<Option<sqlx::Transaction<'static, sqlx::Postgres>>>> = Arc::default();
+    let registry = Registry::new().register("lock_own_row", {
+        let (pool, held) = (pool.clone(), held.clone());
+        move |ctx: JobContext, _: serde_json::Value| {
+            let (pool, held) = (pool.clone(), held.clone());
+            async move {
+                let mut tx = pool.begin().await?;
+                sqlx::query("SELECT 1 FROM rowq.jobs WHERE id = $1 FOR UPDATE")
+                    .bind(ctx.job_id)
+                    .execute(&mut *tx)
+                    .await?;
+                *held.lock().await = Some(tx);
+                Ok(())
+            }
         }
     });
-    futures::future::join_all(pollers).await;
-    assert_eq!(common::count_in_state(&pool, JobState::Succeeded).await, 160);
-    let next_ids: Vec<i64> = next_batches
-        .iter()
-        .flatten()
-        .map(|r| JobMessage::decode(r.body.as_deref().unwrap()).unwrap().job_id.0)
-        .collect();
-    let (statements, shared): (i64, i64) = sqlx::query_as(
-        "WITH at AS (SELECT finished_at AS t, 'finish' AS what FROM rowq.jobs WHERE id <> ALL ($1)
-                     UNION ALL SELECT started_at, 'fence' FROM rowq.jobs WHERE id = ANY ($1))
-         SELECT (SELECT count(DISTINCT t) FROM at),
-                (SELECT count(*) FROM (SELECT t FROM at GROUP BY t HAVING count(DISTINCT what) = 2) s)",
-    )
-    .bind(&next_ids)
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    println!("8 finishes and the 8 next fences: {statements} statement(s), {shared} with both");
-    assert!(statements <= 2 && shared >= 1, "{statements} statements, {shared} with a finish and a fence");
+    let worker = Worker::new(pool.clone(), registry, common::worker_config());
+    let id = common::enqueue(&pool, "lock_own_row", json!({})).await;
+    claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+    let (returned, handlers_returned) = tokio::sync::oneshot::channel();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let records = vec![record("m1", "g", message(id, 1))];
+    let (response, state_when_told) =
+        tokio::join!(worker.handle_batch_then(event(records), deadline, Some(returned)), async {
+            let told = tokio::time::timeout(Duration::from_secs(10), handlers_returned).await;
+            let state = common::job(&pool, id).await.state;
+            if let Some(tx) = held.lock().await.take() {
+                tx.rollback().await.unwrap();
+            }
+            assert!(matches!(told, Ok(Ok(()))), "not told while the finish waited: {told:?}");
+            state
+        });
+    assert!(response.batch_item_failures.is_empty(), "{response:?}");
+    assert_eq!(state_when_told, JobState::Running, "told after the outcome was recorded");
+    assert_eq!(common::job(&pool, id).await.state, JobState::Succeeded);
 }
 
 /// `handle_batch_then` says so only when the last round of a batch has run: two records of one
