@@ -164,7 +164,7 @@ async fn a_poller_takes_its_next_batch_when_the_handlers_of_the_last_one_have_re
                     };
                     // The outcomes being recorded: long enough for the next batch to begin, if it may.
                     let finishing = Instant::now();
-                    while finishing.elapsed() < Duration::from_millis(1500) {
+                    while finishing.elapsed() < Duration::from_secs(3) {
                         let began = {
                             let mut t = trace.lock().unwrap();
                             let began = t.batches > batch;
