@@ -6,8 +6,9 @@
 //!
 //! A poller takes its next batch as soon as the handlers of the one before have returned,
 //! while that batch's outcomes are recorded and its messages deleted ([`HandlersReturned`]):
-//! its handlers never run beside the next batch's, and the next batch's fence goes to Postgres
-//! in the same statement as the previous batch's finish (`store::run::step`).
+//! its handlers never run beside the next batch's, and the next batch's fence can go to
+//! Postgres in the same statement as the previous batch's finish (`store::run::step`), when
+//! both reach the worker's combiner while it gathers.
 //!
 //! It calls the worker's own [`crate::Worker::handle_batch`] (or the DLQ handler): it is a
 //! transport, not a second implementation of the worker.

@@ -103,9 +103,9 @@ impl Worker {
     /// [`handle_batch`](Self::handle_batch), saying on `ran` when the batch's last handlers
     /// have returned, before their outcomes are recorded (or dropping it unsent when the batch
     /// ends otherwise). A poller that holds several batches in one process (the local event
-    /// source) takes its next batch then: its fence meets this batch's finish in the combiner,
-    /// one statement and one commit for both, and no more than one batch of its handlers runs
-    /// at a time.
+    /// source) takes its next batch then: its fence can meet this batch's finish in the
+    /// combiner, one statement and one commit for both, and no more than one batch of its
+    /// handlers runs at a time.
     pub async fn handle_batch_then(
         &self,
         event: SqsEvent,

@@ -405,24 +405,10 @@ async fn duplicate_in_flight(
             .fetch_all(pool)
             .await?;
     let nonce: u64 = rng.random();
-    let mut sent = 0;
-    for chunk in rows.chunks(10) {
-        let entries = chunk
-            .iter()
-            .enumerate()
-            .map(|(i, (id, generation))| {
-                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .message_body(rowq::JobMessage::new(rowq::JobId(*id), *generation).encode())
-                    .message_group_id(id.to_string())
-                    .message_deduplication_id(format!("chaos-{nonce}-{id}-{generation}"))
-                    .build()
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let output = sqs.send_message_batch().queue_url(queue_url).set_entries(Some(entries)).send().await?;
-        sent += output.successful().len() as u64;
-    }
-    Ok(sent)
+    let messages: Vec<(rowq::JobId, i64)> =
+        rows.into_iter().map(|(id, generation)| (rowq::JobId(id), generation)).collect();
+    let sent = common::send_job_messages(sqs, queue_url, &messages, &format!("chaos-{nonce}")).await?;
+    Ok(sent as u64)
 }
 
 /// A TCP proxy in front of LocalStack; sending `true` on the returned channel makes the

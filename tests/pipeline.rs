@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
-use aws_sdk_sqs::types::SendMessageBatchRequestEntry;
 use rowq::event_source::{EventSource, HandlersReturned};
 use rowq::pipeline::Pipeline;
 use rowq::store::dispatch::claim_due;
@@ -56,24 +55,9 @@ async fn every_message_delivered_twice_still_runs_each_job_once() {
     assert_eq!(scheduler.run(shutdown, true).await.published as i64, JOBS);
 
     // A second copy of every message, with another dedup id so SQS does not drop it.
-    for chunk in ids.chunks(10) {
-        let entries = chunk
-            .iter()
-            .enumerate()
-            .map(|(i, id)| {
-                SendMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .message_body(JobMessage::new(*id, 1).encode())
-                    .message_group_id(id.to_string())
-                    .message_deduplication_id(format!("duplicate-{id}"))
-                    .build()
-                    .unwrap()
-            })
-            .collect();
-        let sent =
-            client.send_message_batch().queue_url(&queues.queue_url).set_entries(Some(entries)).send().await.unwrap();
-        assert!(sent.failed().is_empty());
-    }
+    let copies: Vec<(rowq::JobId, i64)> = ids.iter().map(|id| (*id, 1)).collect();
+    let sent = common::send_job_messages(&client, &queues.queue_url, &copies, "duplicate").await.unwrap();
+    assert_eq!(sent, copies.len());
 
     let source = Arc::new(
         EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(30))
@@ -126,21 +110,8 @@ async fn a_poller_takes_its_next_batch_when_the_handlers_of_the_last_one_have_re
     let client = common::sqs().await;
     for tells in [true, false] {
         let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
-        for chunk in 0..2 {
-            let entries = (0..10)
-                .map(|i| {
-                    let n = chunk * 10 + i;
-                    SendMessageBatchRequestEntry::builder()
-                        .id(i.to_string())
-                        .message_body(JobMessage::new(rowq::JobId(n), 1).encode())
-                        .message_group_id(format!("g{n}"))
-                        .message_deduplication_id(format!("d{n}"))
-                        .build()
-                        .unwrap()
-                })
-                .collect();
-            client.send_message_batch().queue_url(&queues.queue_url).set_entries(Some(entries)).send().await.unwrap();
-        }
+        let messages: Vec<(rowq::JobId, i64)> = (0..20).map(|n| (rowq::JobId(n), 1)).collect();
+        assert_eq!(common::send_job_messages(&client, &queues.queue_url, &messages, "poller").await.unwrap(), 20);
         let trace: Arc<std::sync::Mutex<PollerTrace>> = Arc::default();
         let handler = {
             let trace = trace.clone();

@@ -82,6 +82,41 @@ pub async fn drain_queue(client: &Client, queue_url: &str, quiet: Duration) -> V
     messages
 }
 
+/// Sends one message per `(job, generation)`, ten to a call, each in the job's own message
+/// group and deduplicated as `{dedup_prefix}-{job}-{generation}`. Returns how many SQS took.
+pub async fn send_job_messages(
+    client: &Client,
+    queue_url: &str,
+    messages: &[(rowq::JobId, i64)],
+    dedup_prefix: &str,
+) -> Result<usize, String> {
+    let mut sent = 0;
+    for chunk in messages.chunks(10) {
+        let entries = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, (id, generation))| {
+                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .message_body(rowq::JobMessage::new(*id, *generation).encode())
+                    .message_group_id(id.to_string())
+                    .message_deduplication_id(format!("{dedup_prefix}-{id}-{generation}"))
+                    .build()
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let output = client
+            .send_message_batch()
+            .queue_url(queue_url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        sent += output.successful().len();
+    }
+    Ok(sent)
+}
+
 /// One long poll (up to 10 messages, 1 s) and the deletion of what it received.
 pub async fn receive_and_delete(client: &Client, queue_url: &str) -> Result<Vec<aws_sdk_sqs::types::Message>, String> {
     let output = client
