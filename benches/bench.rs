@@ -464,19 +464,7 @@ impl CpuMeter {
                 Some(busy / Self::TICKS)
             })
             .unwrap_or(f64::NAN);
-        let process = std::fs::read_to_string("/proc/self/stat")
-            .ok()
-            .and_then(|stat| {
-                // The fields after the command name (which may hold spaces) start at field 3, the
-                // state (a letter); utime and stime are fields 14 and 15. Every field is counted,
-                // the letter too: skipping what does not parse as a number once read stime and
-                // cutime here, and made this process look 10× cheaper than it is.
-                let rest = &stat[stat.rfind(')')? + 2..];
-                let fields: Vec<&str> = rest.split_whitespace().collect();
-                let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
-                Some((ticks(14 - 3)? + ticks(15 - 3)?) / Self::TICKS)
-            })
-            .unwrap_or(f64::NAN);
+        let process = process_seconds("self").unwrap_or(f64::NAN);
         (machine, process)
     }
 
@@ -485,6 +473,47 @@ impl CpuMeter {
         let (machine, process) = Self::now();
         let micros = |seconds: f64| (seconds * 1e6 / items).round();
         (micros(machine - self.machine), micros(process - self.process))
+    }
+}
+
+/// CPU seconds (user + system) a process has used, from `/proc/<pid>/stat`; `pid` is a number or
+/// `self`. None once the process is gone.
+fn process_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (which may hold spaces) start at field 3, the state (a
+    // letter); utime and stime are fields 14 and 15. Every field is counted, the letter too:
+    // skipping what does not parse as a number once read stime and cutime here, and made this
+    // process look 10× cheaper than it is.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+    Some((ticks(14 - 3)? + ticks(15 - 3)?) / CpuMeter::TICKS)
+}
+
+/// The CPU LocalStack's process spends on a workload, when its process is known:
+/// `infra/localstack/localstack.sh with` names it in `ROWQ_LOCALSTACK_PID`. LocalStack runs one
+/// Python process, whose interpreter runs one thread at a time, on the cores the rest of the
+/// workload shares: its CPU per message says what the workload asked of it, whatever its speed
+/// in that minute (BENCHMARKS.md, "LocalStack drain").
+struct LocalStackMeter {
+    pid: Option<String>,
+    start: Option<f64>,
+}
+
+impl LocalStackMeter {
+    fn start() -> Self {
+        let pid = std::env::var("ROWQ_LOCALSTACK_PID").ok().filter(|pid| !pid.is_empty());
+        let start = pid.as_deref().and_then(process_seconds);
+        LocalStackMeter { pid, start }
+    }
+
+    /// LocalStack's CPU µs per item since `start`; JSON null when its process is not known.
+    fn per(&self, items: f64) -> Value {
+        let now = self.pid.as_deref().and_then(process_seconds);
+        match (self.start, now) {
+            (Some(start), Some(now)) => json!(((now - start) * 1e6 / items).round()),
+            _ => Value::Null,
+        }
     }
 }
 
@@ -986,6 +1015,7 @@ async fn pickup_turns(sides: &[Side], settings: &Settings) -> Result<Vec<Value>,
 async fn raw_localstack(settings: &Settings) -> Result<Value, Error> {
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+    let (cpu, localstack) = (CpuMeter::start(), LocalStackMeter::start());
     let started = Instant::now();
     let per = settings.n as usize / settings.c;
     let senders: Vec<_> = (0..settings.c)
@@ -1035,10 +1065,13 @@ async fn raw_localstack(settings: &Settings) -> Result<Value, Error> {
         task.await??;
     }
     let throughput = rate(total as f64, started.elapsed());
+    let ((cpu_us, client_cpu_us), localstack_cpu_us) = (cpu.per(total as f64), localstack.per(total as f64));
     drop_queues(&client, &queues).await;
-    Ok(
-        json!({"workload": "raw-localstack", "messages_per_s": throughput, "messages": total, "concurrency": settings.c}),
-    )
+    Ok(json!({
+        "workload": "raw-localstack", "messages_per_s": throughput, "messages": total, "concurrency": settings.c,
+        "cpu_us_per_message": cpu_us, "client_cpu_us_per_message": client_cpu_us,
+        "localstack_cpu_us_per_message": localstack_cpu_us,
+    }))
 }
 
 async fn dispatch_localstack(settings: &Settings) -> Result<Value, Error> {
@@ -1086,11 +1119,19 @@ async fn drain_localstack(settings: &Settings) -> Result<Value, Error> {
     let mut runner = Command::new(env!("CARGO_BIN_EXE_rowq"));
     runner.arg("work");
     env(&mut runner);
+    let (cpu, localstack) = (CpuMeter::start(), LocalStackMeter::start());
     let started = Instant::now();
     let mut scheduler = scheduler.spawn()?;
     let mut runner = runner.spawn()?;
     wait_until_succeeded(&pool, settings.n, Duration::from_secs(600)).await?;
     let throughput = rate(settings.n as f64, started.elapsed());
+    let ((cpu_us, _), localstack_cpu_us) = (cpu.per(settings.n as f64), localstack.per(settings.n as f64));
+    // The two processes' whole lives: they started with the drain.
+    let cpu_of = |pid: Option<u32>| {
+        pid.and_then(|pid| process_seconds(&pid.to_string()))
+            .map_or(Value::Null, |seconds| json!((seconds * 1e6 / settings.n as f64).round()))
+    };
+    let (scheduler_cpu_us, runner_cpu_us) = (cpu_of(scheduler.id()), cpu_of(runner.id()));
     let peak = |pid: Option<u32>| {
         pid.and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
             .and_then(|s| {
@@ -1111,6 +1152,8 @@ async fn drain_localstack(settings: &Settings) -> Result<Value, Error> {
     Ok(json!({
         "workload": "drain", "transport": "localstack", "jobs_per_s": throughput, "pollers": settings.c,
         "scheduler_peak_rss_mb": scheduler_mb, "runner_peak_rss_mb": runner_mb,
+        "cpu_us_per_job": cpu_us, "localstack_cpu_us_per_job": localstack_cpu_us,
+        "scheduler_cpu_us_per_job": scheduler_cpu_us, "runner_cpu_us_per_job": runner_cpu_us,
     }))
 }
 
@@ -1188,6 +1231,25 @@ fn report(results: &[Value]) {
     );
     line("drain, LocalStack", format!("{:.0} jobs/s", f(&drain_ls, "jobs_per_s")));
     line("raw LocalStack send+receive+delete", format!("{:.0} msg/s", f(&raw, "messages_per_s")));
+    // What each side asked of LocalStack, and rowq's own processes (blank when LocalStack's
+    // process is not known: one started by someone else).
+    let micros = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.0}") };
+    line(
+        "drain LocalStack: CPU/job LocalStack / rowq",
+        format!(
+            "{} / {} µs",
+            micros(f(&drain_ls, "localstack_cpu_us_per_job")),
+            micros(f(&drain_ls, "scheduler_cpu_us_per_job") + f(&drain_ls, "runner_cpu_us_per_job"))
+        ),
+    );
+    line(
+        "raw LocalStack: CPU/msg LocalStack / client",
+        format!(
+            "{} / {} µs",
+            micros(f(&raw, "localstack_cpu_us_per_message")),
+            micros(f(&raw, "client_cpu_us_per_message"))
+        ),
+    );
     line("latency floor p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_floor, "p50_ms"), f(&lat_floor, "p99_ms")));
     line("latency in-memory p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_mem, "p50_ms"), f(&lat_mem, "p99_ms")));
     line("latency LocalStack p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_ls, "p50_ms"), f(&lat_ls, "p99_ms")));
@@ -1200,34 +1262,61 @@ fn report(results: &[Value]) {
         format!("{:.1} / {:.1} MB", f(&drain_ls, "scheduler_peak_rss_mb"), f(&drain_ls, "runner_peak_rss_mb")),
     );
 
+    // (name, the median and each pair, the target and whether it is a floor) — the last has no
+    // target: it says whether a LocalStack drain that misses its target asked more of LocalStack
+    // per message than the raw client did, or found LocalStack slower that minute.
     let ratios = [
-        ("in-memory drain / sql-floor", ratio((drain_memory, "jobs_per_s"), (sql_floor, "rows_per_s")), 0.5, true),
-        ("in-memory latency p50 / floor p50", ratio((latency_memory, "p50_ms"), (latency_floor, "p50_ms")), 1.5, false),
-        ("in-memory latency p99 / floor p99", ratio((latency_memory, "p99_ms"), (latency_floor, "p99_ms")), 3.0, false),
+        (
+            "in-memory drain / sql-floor",
+            ratio((drain_memory, "jobs_per_s"), (sql_floor, "rows_per_s")),
+            Some((0.5, true)),
+        ),
+        (
+            "in-memory latency p50 / floor p50",
+            ratio((latency_memory, "p50_ms"), (latency_floor, "p50_ms")),
+            Some((1.5, false)),
+        ),
+        (
+            "in-memory latency p99 / floor p99",
+            ratio((latency_memory, "p99_ms"), (latency_floor, "p99_ms")),
+            Some((3.0, false)),
+        ),
         (
             "LocalStack drain / raw LocalStack",
             ratio((drain_localstack, "jobs_per_s"), (raw_localstack, "messages_per_s")),
-            0.8,
-            true,
+            Some((0.8, true)),
+        ),
+        (
+            "LocalStack's CPU per message, drain / raw",
+            ratio((drain_localstack, "localstack_cpu_us_per_job"), (raw_localstack, "localstack_cpu_us_per_message")),
+            None,
         ),
     ];
     let round = |x: f64| (x * 100.0).round() / 100.0;
     eprintln!();
     eprintln!("{:<44} {:>8} {:>8}  MET  (each pair)", "RATIO", "VALUE", "TARGET");
-    for (name, (value, each), target, at_least) in ratios {
-        let met = if at_least { value >= target } else { value <= target };
+    for (name, (value, each), target) in ratios {
+        let met = target.map(|(target, at_least)| if at_least { value >= target } else { value <= target });
         let pairs: Vec<String> = each.iter().map(|r| format!("{r:.2}")).collect();
+        let goal = match target {
+            Some((target, at_least)) => format!("{}{target:>7.2}", if at_least { ">" } else { "<" }),
+            None => format!("{:>8}", "-"),
+        };
         eprintln!(
-            "{name:<44} {value:>8.2} {}{target:>7.2}  {:<4} {}",
-            if at_least { ">" } else { "<" },
-            if met { "yes" } else { "no" },
+            "{name:<44} {value:>8.2} {goal}  {:<4} {}",
+            match met {
+                Some(true) => "yes",
+                Some(false) => "no",
+                None => "",
+            },
             if each.len() > 1 { pairs.join(" ") } else { String::new() }
         );
         println!(
             "{}",
             json!({
                 "ratio": name, "value": round(value), "pairs": each.iter().map(|r| round(*r)).collect::<Vec<_>>(),
-                "target": target, "at_least": at_least, "met": met,
+                "target": target.map(|(target, _)| target), "at_least": target.map(|(_, at_least)| at_least),
+                "met": met,
             })
         );
     }

@@ -5,8 +5,9 @@
 #   infra/localstack/localstack.sh up        install, start in the background, wait until ready
 #   infra/localstack/localstack.sh down      stop what `up` started
 #   infra/localstack/localstack.sh status    exit 0 when an endpoint answers
-#   infra/localstack/localstack.sh with CMD  run CMD with LocalStack up; stop it afterwards
-#                                            if this call started it
+#   infra/localstack/localstack.sh with CMD  run CMD with LocalStack up (its process id in
+#                                            ROWQ_LOCALSTACK_PID); stop it afterwards if this
+#                                            call started it
 #
 # The pins below each fix a failure seen with localstack-core 2026.3.0 (see infra/README.md):
 # cbor2 6 -> "No component plugins found"; pyOpenSSL 26 -> "no attribute add_extensions";
@@ -115,6 +116,11 @@ with() {
   if ! healthy; then
     up
     trap down EXIT # also on Ctrl-C or a failure of CMD
+  fi
+  # The benchmark reads LocalStack's CPU from /proc by this (when `up` started it, now or before).
+  if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+    ROWQ_LOCALSTACK_PID=$(cat "$pidfile")
+    export ROWQ_LOCALSTACK_PID
   fi
   "$@" || status=$?
   return "$status"
