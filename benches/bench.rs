@@ -490,24 +490,30 @@ fn process_seconds(pid: &str) -> Option<f64> {
     Some((ticks(14 - 3)? + ticks(15 - 3)?) / CpuMeter::TICKS)
 }
 
-/// The CPU LocalStack's process spends on a workload, when its process is known:
-/// `infra/localstack/localstack.sh with` names it in `ROWQ_LOCALSTACK_PID`. LocalStack runs one
-/// Python process, whose interpreter runs one thread at a time, on the cores the rest of the
-/// workload shares: its CPU per message says what the workload asked of it, whatever its speed
-/// in that minute (BENCHMARKS.md, "LocalStack drain").
-struct LocalStackMeter {
+/// The CPU another process spends on a workload, when that process is known.
+struct ProcessMeter {
     pid: Option<String>,
     start: Option<f64>,
 }
 
-impl LocalStackMeter {
-    fn start() -> Self {
+impl ProcessMeter {
+    /// LocalStack's, when `infra/localstack/localstack.sh with` names it in
+    /// `ROWQ_LOCALSTACK_PID`. LocalStack runs one Python process, whose interpreter runs one
+    /// thread at a time, on the cores the rest of the workload shares: its CPU per message says
+    /// what the workload asked of it, whatever its speed in that minute (BENCHMARKS.md,
+    /// "LocalStack drain").
+    fn localstack() -> Self {
         let pid = std::env::var("ROWQ_LOCALSTACK_PID").ok().filter(|pid| !pid.is_empty());
         let start = pid.as_deref().and_then(process_seconds);
-        LocalStackMeter { pid, start }
+        ProcessMeter { pid, start }
     }
 
-    /// LocalStack's CPU µs per item since `start`; JSON null when its process is not known.
+    /// A child that started with the workload: all of its life counts.
+    fn child(pid: Option<u32>) -> Self {
+        ProcessMeter { pid: pid.map(|pid| pid.to_string()), start: Some(0.0) }
+    }
+
+    /// CPU µs per item since the start; JSON null when the process is not known or is gone.
     fn per(&self, items: f64) -> Value {
         let now = self.pid.as_deref().and_then(process_seconds);
         match (self.start, now) {
@@ -1015,7 +1021,7 @@ async fn pickup_turns(sides: &[Side], settings: &Settings) -> Result<Vec<Value>,
 async fn raw_localstack(settings: &Settings) -> Result<Value, Error> {
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
-    let (cpu, localstack) = (CpuMeter::start(), LocalStackMeter::start());
+    let (cpu, localstack) = (CpuMeter::start(), ProcessMeter::localstack());
     let started = Instant::now();
     let per = settings.n as usize / settings.c;
     let senders: Vec<_> = (0..settings.c)
@@ -1119,19 +1125,18 @@ async fn drain_localstack(settings: &Settings) -> Result<Value, Error> {
     let mut runner = Command::new(env!("CARGO_BIN_EXE_rowq"));
     runner.arg("work");
     env(&mut runner);
-    let (cpu, localstack) = (CpuMeter::start(), LocalStackMeter::start());
+    let (cpu, localstack) = (CpuMeter::start(), ProcessMeter::localstack());
     let started = Instant::now();
     let mut scheduler = scheduler.spawn()?;
     let mut runner = runner.spawn()?;
     wait_until_succeeded(&pool, settings.n, Duration::from_secs(600)).await?;
     let throughput = rate(settings.n as f64, started.elapsed());
     let ((cpu_us, _), localstack_cpu_us) = (cpu.per(settings.n as f64), localstack.per(settings.n as f64));
-    // The two processes' whole lives: they started with the drain.
-    let cpu_of = |pid: Option<u32>| {
-        pid.and_then(|pid| process_seconds(&pid.to_string()))
-            .map_or(Value::Null, |seconds| json!((seconds * 1e6 / settings.n as f64).round()))
-    };
-    let (scheduler_cpu_us, runner_cpu_us) = (cpu_of(scheduler.id()), cpu_of(runner.id()));
+    // Read before they are stopped.
+    let (scheduler_cpu_us, runner_cpu_us) = (
+        ProcessMeter::child(scheduler.id()).per(settings.n as f64),
+        ProcessMeter::child(runner.id()).per(settings.n as f64),
+    );
     let peak = |pid: Option<u32>| {
         pid.and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
             .and_then(|s| {
