@@ -8,7 +8,7 @@
 //! `tracing_subscriber`'s [`Targets`]: not its `EnvFilter`, whose span and field matching
 //! nobody here uses and which compiles a regular-expression engine into every binary.
 
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{LevelFilter, Targets};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -31,7 +31,7 @@ pub fn init_with_default(format: LogFormat, default_filter: &str) {
     let (filter, rejected) = filter(rust_log.as_deref(), default_filter);
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
+        .with_max_level(most_verbose(&filter))
         .with_target(false)
         .with_writer(std::io::stderr)
         .with_ansi(ansi);
@@ -42,6 +42,13 @@ pub fn init_with_default(format: LogFormat, default_filter: &str) {
     if let (Ok(()), Some(error)) = (installed, rejected) {
         tracing::warn!(%error, rust_log = rust_log.as_deref().unwrap_or_default(), default = default_filter, "RUST_LOG is not a filter; using the default");
     }
+}
+
+/// The most verbose level `filter` lets through anywhere. The subscriber's own level is set to it
+/// so that its hint to `tracing` and `log` (which sqlx writes its statement log to) is the
+/// filter's: a debug statement is then skipped at its call site, not built and then dropped.
+fn most_verbose(filter: &Targets) -> LevelFilter {
+    filter.iter().map(|(_, level)| level).chain(filter.default_level()).max().unwrap_or(LevelFilter::OFF)
 }
 
 /// The filter from `RUST_LOG` when it is set and parses, else from the default; with the reason
@@ -71,6 +78,18 @@ mod tests {
         assert!(!targets.would_enable("rowq::worker", &Level::TRACE));
         assert!(targets.would_enable("sqlx::query", &Level::WARN));
         assert!(!targets.would_enable("sqlx::query", &Level::INFO));
+    }
+
+    #[test]
+    fn the_subscriber_level_is_the_most_verbose_the_filter_lets_through() {
+        for (rust_log, level) in [
+            ("warn,rowq=debug", LevelFilter::DEBUG),
+            ("error", LevelFilter::ERROR),
+            ("rowq=trace,sqlx=warn", LevelFilter::TRACE),
+            ("off", LevelFilter::OFF),
+        ] {
+            assert_eq!(most_verbose(&filter(Some(rust_log), "info").0), level, "{rust_log}");
+        }
     }
 
     #[test]
