@@ -57,7 +57,7 @@ fn main() -> ExitCode {
 
 /// A runner process: the worker and the DLQ handler behind the local event source.
 async fn runner() -> ExitCode {
-    rowq::telemetry::init_with_default(rowq::telemetry::LogFormat::Text, "warn");
+    rowq::telemetry::init_with_default(rowq::telemetry::LogFormat::Text, tracing::Level::WARN);
     let lookup = |name: &str| std::env::var(name).ok();
     let env = Env::new(&lookup);
     let (worker_config, source, scheduler) =

@@ -43,7 +43,7 @@ const DEMO_INSERT: &str = r#"
 
 pub async fn run(database_url: &str, args: DemoArgs) -> anyhow::Result<()> {
     // The demo's own output is the progress bar and the summary; RUST_LOG=info shows the rest.
-    crate::telemetry::init_with_default(crate::config::log_format(), "error");
+    crate::telemetry::init_with_default(crate::config::log_format(), tracing::Level::ERROR);
     let overrides = vec![("ROWQ_QUEUE", DEMO_QUEUE.to_string())];
     // Short backoff, so retried demo jobs finish within seconds.
     let defaults = vec![("ROWQ_BACKOFF_BASE_MS", "200".to_string()), ("ROWQ_BACKOFF_MAX_SECS", "2".to_string())];
