@@ -835,6 +835,27 @@ async fn one_statement_claims_and_tells_when_the_next_delayed_job_is_due() {
     assert_eq!(empty.next_due, claim.next_due);
 }
 
+/// With a poll interval of ten minutes, only the next due time the claim returns can wake the
+/// scheduler for a delayed job: both when the claim took nothing and when it took a job due
+/// now beside it (a short claim).
+#[tokio::test]
+async fn an_idle_scheduler_wakes_when_a_delayed_job_falls_due_not_at_its_poll_interval() {
+    let pool = common::database().await;
+    let (stop, running) = spawn_idle_scheduler(&pool);
+    for with_a_due_job in [false, true] {
+        let mut delayed = NewJob::new("noop", json!({}));
+        delayed.run_at = Some(chrono::Utc::now() + chrono::Duration::milliseconds(1500));
+        let delayed = enqueue_with(&pool, delayed).await;
+        if with_a_due_job {
+            let now = common::enqueue(&pool, "noop", json!({})).await;
+            wait_dispatched(&pool, now, "the job due now").await;
+        }
+        wait_dispatched(&pool, delayed, "the delayed job, at its run_at").await;
+    }
+    stop.send(true).unwrap();
+    assert_eq!(running.await.unwrap().published, 3);
+}
+
 #[tokio::test]
 async fn the_scheduler_plans_its_statements_once_per_connection() {
     let pool = common::database().await;
