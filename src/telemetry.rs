@@ -29,12 +29,11 @@ pub fn init(format: LogFormat) {
 
 /// [`init`] with another level for when `RUST_LOG` is unset (`rowq demo` keeps quiet).
 pub fn init_with_default(format: LogFormat, default: Level) {
-    let rust_log = std::env::var("RUST_LOG").ok();
-    let (filter, rejected) = filter(rust_log.as_deref(), default);
+    let (filter, rejected) = filter(std::env::var("RUST_LOG").ok().as_deref(), default);
     if subscriber(format, filter).try_init().is_ok()
-        && let (Some(error), Some(rust_log)) = (rejected, rust_log)
+        && let Some(rejected) = rejected
     {
-        tracing::warn!(%error, rust_log, %default, "RUST_LOG is not a filter; using the default");
+        tracing::warn!(%default, "{rejected}; using the default");
     }
 }
 
@@ -51,15 +50,15 @@ fn subscriber(format: LogFormat, filter: Targets) -> impl Subscriber + Send + Sy
     tracing_subscriber::registry().with(lines).with(filter)
 }
 
-/// The filter from `RUST_LOG` when it is set and parses, else `default` everywhere; with the
-/// reason a set `RUST_LOG` was rejected, to be logged once the subscriber is up.
+/// The filter from `RUST_LOG` when it is set and parses, else `default` everywhere; with what a
+/// set `RUST_LOG` was and why it was rejected, to be logged once the subscriber is up.
 fn filter(rust_log: Option<&str>, default: Level) -> (Targets, Option<String>) {
     let fallback = || Targets::new().with_default(default);
     match rust_log.map(str::trim).filter(|value| !value.is_empty()) {
         None => (fallback(), None),
         Some(value) => match value.parse::<Targets>() {
             Ok(targets) => (targets, None),
-            Err(error) => (fallback(), Some(error.to_string())),
+            Err(error) => (fallback(), Some(format!("RUST_LOG={value:?} is not a filter: {error}"))),
         },
     }
 }
@@ -108,6 +107,7 @@ mod tests {
     fn a_rust_log_that_does_not_parse_falls_back_and_says_why() {
         let (targets, rejected) = filter(Some("rowq=loud"), Level::INFO);
         assert!(rejected.is_some(), "an invalid level must be reported");
+        assert!(rejected.is_some_and(|why| why.contains("\"rowq=loud\"")), "the report names the value");
         assert!(targets.would_enable("rowq", &Level::INFO));
         assert!(!targets.would_enable("rowq", &Level::DEBUG));
     }
