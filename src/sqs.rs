@@ -130,6 +130,12 @@ impl Publisher for SqsPublisher {
 }
 
 /// Keeps sent messages in memory, in order. For tests and the in-memory benchmark transport.
+///
+/// Like an SQS long poll, a message wakes one waiting receiver, not all of them: a send wakes
+/// one, and a receiver that leaves messages behind wakes the next. Waking every waiting
+/// receiver for each message (the benchmark's eight pollers) put seven futile turns of the
+/// thread ahead of the one that took it, on the pickup path of every job (BENCHMARKS.md,
+/// round 27).
 #[derive(Debug, Default)]
 pub struct MemoryPublisher {
     sent: Mutex<VecDeque<Outgoing>>,
@@ -152,21 +158,26 @@ impl MemoryPublisher {
         self.take_up_to(usize::MAX)
     }
 
-    /// Takes the oldest `max` messages at most.
+    /// Takes the oldest `max` messages at most; wakes another receiver if any are left.
     pub fn take_up_to(&self, max: usize) -> Vec<Outgoing> {
         let mut sent = self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let n = max.min(sent.len());
-        sent.drain(..n).collect()
+        let taken = sent.drain(..n).collect();
+        if !sent.is_empty() {
+            self.arrived.notify_one();
+        }
+        taken
     }
 
-    /// Waits up to `wait` for messages, then takes the oldest `max` (like a long poll).
+    /// Waits up to `wait` for messages, then takes the oldest `max` (like a long poll). A send
+    /// that comes between the first look and the wait is not missed: `notify_one` keeps a
+    /// permit for the next waiter when nobody waits yet.
     pub async fn receive(&self, max: usize, wait: Duration) -> Vec<Outgoing> {
-        let arrived = self.arrived.notified();
         let batch = self.take_up_to(max);
         if !batch.is_empty() {
             return batch;
         }
-        let _ = tokio::time::timeout(wait, arrived).await;
+        let _ = tokio::time::timeout(wait, self.arrived.notified()).await;
         self.take_up_to(max)
     }
 }
@@ -181,7 +192,7 @@ impl Publisher for MemoryPublisher {
             });
         }
         self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(batch.iter().cloned());
-        self.arrived.notify_waiters();
+        self.arrived.notify_one();
         Ok(Vec::new())
     }
 }
@@ -332,4 +343,64 @@ pub async fn queue_depth(client: &Client, queue_url: &str) -> Result<QueueDepth,
         visible: count(&QueueAttributeName::ApproximateNumberOfMessages),
         in_flight: count(&QueueAttributeName::ApproximateNumberOfMessagesNotVisible),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::job::JobId;
+
+    fn outgoing(ids: std::ops::Range<i64>) -> Vec<Outgoing> {
+        ids.map(|id| {
+            let message = JobMessage::new(JobId(id), 1);
+            Outgoing { message, group_id: format!("g{id}"), dedup_id: format!("d{id}") }
+        })
+        .collect()
+    }
+
+    /// Receivers already waiting when `sent` messages arrive in one send: when each returned
+    /// (the clock is paused, so a receiver that was never woken returns at `WAIT` exactly) and
+    /// how many messages it took.
+    async fn waiting_receivers(receivers: usize, sent: i64) -> Vec<(Duration, usize)> {
+        const WAIT: Duration = Duration::from_secs(20);
+        let queue = Arc::new(MemoryPublisher::new());
+        let start = Instant::now();
+        let waiting: Vec<_> = (0..receivers)
+            .map(|_| {
+                let queue = queue.clone();
+                tokio::spawn(async move {
+                    let batch = queue.receive(MAX_BATCH, WAIT).await;
+                    (start.elapsed(), batch.len())
+                })
+            })
+            .collect();
+        tokio::task::yield_now().await; // every receiver is waiting
+        queue.send_batch(&outgoing(0..sent)).await.expect("the in-memory queue accepts");
+        let mut returned = Vec::new();
+        for receiver in waiting {
+            returned.push(receiver.await.expect("receiver"));
+        }
+        returned.sort();
+        returned
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_message_wakes_one_waiting_receiver_and_the_others_keep_waiting() {
+        let returned = waiting_receivers(3, 1).await;
+        assert_eq!(
+            returned,
+            [(Duration::ZERO, 1), (Duration::from_secs(20), 0), (Duration::from_secs(20), 0)],
+            "one receiver takes the message at once; the others wait out their long poll"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn messages_left_by_one_receiver_wake_the_next_at_once() {
+        let returned = waiting_receivers(3, 25).await;
+        assert_eq!(returned, [(Duration::ZERO, 5), (Duration::ZERO, 10), (Duration::ZERO, 10)]);
+    }
 }
