@@ -171,14 +171,20 @@ impl MemoryPublisher {
 
     /// Waits up to `wait` for messages, then takes the oldest `max` (like a long poll). A send
     /// that comes between the first look and the wait is not missed: `notify_one` keeps a
-    /// permit for the next waiter when nobody waits yet.
+    /// permit for the next waiter when nobody waits yet. A wake-up that finds nothing (such a
+    /// permit, left by a send whose messages another receiver took without waiting) waits
+    /// again, until `wait` is up.
     pub async fn receive(&self, max: usize, wait: Duration) -> Vec<Outgoing> {
-        let batch = self.take_up_to(max);
-        if !batch.is_empty() {
-            return batch;
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            let batch = self.take_up_to(max);
+            if !batch.is_empty() {
+                return batch;
+            }
+            if tokio::time::timeout_at(until, self.arrived.notified()).await.is_err() {
+                return self.take_up_to(max);
+            }
         }
-        let _ = tokio::time::timeout(wait, self.arrived.notified()).await;
-        self.take_up_to(max)
     }
 }
 
@@ -396,6 +402,16 @@ mod tests {
             [(Duration::ZERO, 1), (Duration::from_secs(20), 0), (Duration::from_secs(20), 0)],
             "one receiver takes the message at once; the others wait out their long poll"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_receiver_woken_with_nothing_to_take_waits_out_its_long_poll() {
+        let queue = MemoryPublisher::new();
+        queue.send_batch(&outgoing(0..1)).await.expect("the in-memory queue accepts"); // nobody waits
+        assert_eq!(queue.take().len(), 1, "taken without waiting: the send's wake-up is left over");
+        let start = Instant::now();
+        let batch = queue.receive(MAX_BATCH, Duration::from_secs(20)).await;
+        assert_eq!((start.elapsed(), batch.len()), (Duration::from_secs(20), 0));
     }
 
     #[tokio::test(start_paused = true)]
