@@ -160,11 +160,13 @@ impl MemoryPublisher {
 
     /// Takes the oldest `max` messages at most; wakes another receiver if any are left.
     pub fn take_up_to(&self, max: usize) -> Vec<Outgoing> {
-        let mut sent = self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let n = max.min(sent.len());
-        let taken = sent.drain(..n).collect();
-        if !sent.is_empty() {
-            self.arrived.notify_one();
+        let (taken, left) = {
+            let mut sent = self.sent.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let n = max.min(sent.len());
+            (sent.drain(..n).collect(), !sent.is_empty())
+        };
+        if left {
+            self.arrived.notify_one(); // after the lock: the receiver woken takes it next
         }
         taken
     }
