@@ -14,8 +14,8 @@
 -- table to check every row (the second migration did; its comment says otherwise). So each
 -- domain is created bare, the columns change to it (the table's file is kept; the two partial
 -- indexes on priority and dedup_key, which hold unfinished rows only, are rebuilt), and then the
--- constraints are added, which reads the rows once. The whole migration is one transaction, so
--- the rows are never writable without their rules.
+-- constraints are added, each of which scans the rows once to check them. The whole migration is
+-- one transaction, so the rows are never writable without their rules.
 
 CREATE DOMAIN rowq.max_attempts AS integer;
 CREATE DOMAIN rowq.attempt_count AS integer;
