@@ -77,8 +77,9 @@ impl NewJob {
 }
 
 /// The same `INSERT` any client can run. Returns `None` when an unfinished job with the same
-/// `dedup_key` exists (`ON CONFLICT DO NOTHING`). Bad rows are refused by the table's CHECKs.
-/// Works inside the caller's transaction: pass `&mut *tx`.
+/// `dedup_key` exists (`ON CONFLICT DO NOTHING`). Bad rows are refused by the schema's rules
+/// (each a domain's CHECK, named in the error). Works inside the caller's transaction: pass
+/// `&mut *tx`.
 pub async fn enqueue<'e>(executor: impl PgExecutor<'e>, job: &NewJob) -> Result<Option<JobId>, sqlx::Error> {
     sqlx::query_scalar(
         r#"
