@@ -169,9 +169,9 @@ async fn row_updates_evaluate_no_costly_check_and_writes_still_do() {
 #[tokio::test]
 async fn the_rules_move_to_domains_without_rewriting_the_table() {
     let pool = common::database().await;
-    sqlx::raw_sql("DROP SCHEMA rowq CASCADE").execute(&pool).await.unwrap();
-    sqlx::raw_sql(include_str!("../migrations/20261130000001_jobs.sql")).execute(&pool).await.unwrap();
-    sqlx::raw_sql(include_str!("../migrations/20261130000002_checks_on_write.sql")).execute(&pool).await.unwrap();
+    // Back to an empty database, then the schema as migration 2 left it, by rowq's migrator.
+    sqlx::raw_sql("DROP SCHEMA rowq CASCADE; DROP TABLE _sqlx_migrations").execute(&pool).await.unwrap();
+    store::MIGRATOR.run_to(20261130000002, &pool).await.unwrap();
     common::enqueue_many(&pool, "noop", 50).await;
     sqlx::query("UPDATE rowq.jobs SET priority = 7, dedup_key = 'k' || id WHERE id % 2 = 0")
         .execute(&pool)
@@ -179,9 +179,7 @@ async fn the_rules_move_to_domains_without_rewriting_the_table() {
         .unwrap();
     let file = "SELECT pg_relation_filenode('rowq.jobs')::bigint";
     let before: i64 = sqlx::query_scalar(file).fetch_one(&pool).await.unwrap();
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::raw_sql(include_str!("../migrations/20261204000003_rules_as_domains.sql")).execute(&mut *tx).await.unwrap();
-    tx.commit().await.unwrap();
+    store::migrate(&pool).await.unwrap(); // the third, as `rowq migrate` applies it
     let after: i64 = sqlx::query_scalar(file).fetch_one(&pool).await.unwrap();
     assert_eq!(after, before, "the third migration rewrote rowq.jobs");
     let kept: (i64, i64) = sqlx::query_as(
