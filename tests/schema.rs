@@ -168,10 +168,7 @@ async fn row_updates_evaluate_no_costly_check_and_writes_still_do() {
 /// and every index (the second migration did), under an `ACCESS EXCLUSIVE` lock.
 #[tokio::test]
 async fn the_rules_move_to_domains_without_rewriting_the_table() {
-    let pool = common::database().await;
-    // Back to an empty database, then the schema as migration 2 left it, by rowq's migrator.
-    sqlx::raw_sql("DROP SCHEMA rowq CASCADE; DROP TABLE _sqlx_migrations").execute(&pool).await.unwrap();
-    store::MIGRATOR.run_to(20261130000002, &pool).await.unwrap();
+    let pool = common::database_migrated_to(20261130000002).await; // the schema as migration 2 left it
     common::enqueue_many(&pool, "noop", 50).await;
     sqlx::query("UPDATE rowq.jobs SET priority = 7, dedup_key = 'k' || id WHERE id % 2 = 0")
         .execute(&pool)

@@ -216,7 +216,21 @@ pub fn database() -> impl Future<Output = PgPool> {
 /// processes that are gone.
 #[track_caller]
 pub fn database_with(max_connections: u32) -> impl Future<Output = PgPool> {
-    let caller = std::panic::Location::caller();
+    fresh_database(std::panic::Location::caller(), max_connections, None)
+}
+
+/// A fresh database, as [`database`], with the schema only as far as the migrations up to
+/// `version` take it: for a test of the migration after it.
+#[track_caller]
+pub fn database_migrated_to(version: i64) -> impl Future<Output = PgPool> {
+    fresh_database(std::panic::Location::caller(), 5, Some(version))
+}
+
+fn fresh_database(
+    caller: &'static std::panic::Location<'static>,
+    max_connections: u32,
+    migrated_to: Option<i64>,
+) -> impl Future<Output = PgPool> {
     let file = std::path::Path::new(caller.file()).file_stem().and_then(|stem| stem.to_str()).unwrap_or("test");
     let name = format!("{TEST_DATABASE_PREFIX}{}_{file}_{}", std::process::id(), caller.line());
     async move {
@@ -233,7 +247,11 @@ pub fn database_with(max_connections: u32) -> impl Future<Output = PgPool> {
             .connect(&url)
             .await
             .unwrap_or_else(|e| panic!("connect to {name}: {e}"));
-        rowq::store::migrate(&pool).await.expect("migrate the test database");
+        match migrated_to {
+            None => rowq::store::migrate(&pool).await,
+            Some(version) => rowq::store::MIGRATOR.run_to(version, &pool).await,
+        }
+        .expect("migrate the test database");
         // A task lives as long as the test's runtime; dropping it drops the database.
         let dropped_with_the_runtime = DropDatabase(url);
         tokio::spawn(async move {
