@@ -39,23 +39,15 @@ bench-smoke: ## every benchmark workload at a tiny size, unoptimised (part of ma
 	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=300 BENCH_LATENCY_N=20 BENCH_RATE=200 BENCH_PAIRS=2 \
 		$(LOCALSTACK) with cargo test --locked --bench bench
 
-# The `rowq` binary for `make dev` and `make demo`, built with the features `cargo test` builds
-# it with: the dev-dependencies turn on tokio's `test-util` (the paused-clock unit tests), and a
-# plain `cargo build` then compiled tokio and every crate above it again, ~46 s on CI's machine
-# after `make test`. With the same features it is the binary `make test` already built.
-# `test-util` only adds the paused clock, which nothing here pauses; the Lambda and release
-# builds do not have it.
-DEV_BUILD := cargo build --locked --bin rowq --features tokio/test-util
-
 .PHONY: dev
 dev: ## run the whole pipeline on this machine until Ctrl-C (Postgres + LocalStack found or started)
-	$(DEV_BUILD)
+	cargo build --locked --bin rowq
 	infra/dev/run.sh dev
 
 DEMO_JOBS ?= 1000
 .PHONY: demo
 demo: ## dev plus a mixed batch of demo jobs, live progress and a summary (DEMO_JOBS=1000)
-	$(DEV_BUILD)
+	cargo build --locked --bin rowq
 	infra/dev/run.sh demo --jobs $(DEMO_JOBS)
 
 BENCH_N ?= 20000
