@@ -1179,14 +1179,15 @@ fn report(results: &[Value]) {
         all.sort_by(|a, b| f(a, key).total_cmp(&f(b, key)));
         all.get(all.len().saturating_sub(1) / 2).map_or(Value::Null, |run| (*run).clone())
     };
-    // The ratio of two workloads' `key`s in each pair of runs, and their median.
-    let ratio = |(of, key): (Of, &str), (floor, floor_key): (Of, &str)| -> (f64, Vec<f64>) {
+    // `compare` of two workloads' `key`s in each pair of runs (their ratio, or their difference),
+    // and its median.
+    let paired = |(of, key): (Of, &str), (floor, floor_key): (Of, &str), compare: fn(f64, f64) -> f64| {
         let floors = runs(floor);
         let mut each: Vec<f64> = runs(of)
             .into_iter()
             .filter_map(|run| {
                 let floor = floors.iter().find(|floor| floor["pair"] == run["pair"])?;
-                Some(f(run, key) / f(floor, floor_key))
+                Some(compare(f(run, key), f(floor, floor_key)))
             })
             .collect();
         each.sort_by(f64::total_cmp);
@@ -1194,6 +1195,7 @@ fn report(results: &[Value]) {
         let median = (middle(each.len().saturating_sub(1) / 2) + middle(each.len() / 2)) / 2.0;
         (median, each)
     };
+    let ratio = |measured: (Of, &str), floor: (Of, &str)| paired(measured, floor, |a, b| a / b);
     let (sql_floor, latency_floor) = (Of("sql-floor", None), Of("latency-floor", None));
     let (drain_memory, latency_memory) = (Of("drain", Some("memory")), Of("latency", Some("memory")));
     let (raw_localstack, drain_localstack) = (Of("raw-localstack", None), Of("drain", Some("localstack")));
@@ -1267,9 +1269,12 @@ fn report(results: &[Value]) {
         format!("{:.1} / {:.1} MB", f(&drain_ls, "scheduler_peak_rss_mb"), f(&drain_ls, "runner_peak_rss_mb")),
     );
 
-    // (name, the median and each pair, the target and whether it is a floor) — the last has no
-    // target: it says whether a LocalStack drain that misses its target asked more of LocalStack
-    // per message than the raw client did, or found LocalStack slower that minute.
+    // (name, the median and each pair, the target and whether it is a floor) — the last two have
+    // no target. One says whether a LocalStack drain that misses its target asked more of
+    // LocalStack per message than the raw client did, or found LocalStack slower that minute.
+    // The other is how far rowq's pickup is behind the floor's, in ms: the protocol's second step
+    // (the claim commits before the worker's fence can start), which stays about the same when a
+    // faster machine makes the floor faster, so the p50 ratio rises with the floor's speed.
     let ratios = [
         (
             "in-memory drain / sql-floor",
@@ -1294,6 +1299,11 @@ fn report(results: &[Value]) {
         (
             "LocalStack's CPU per message, drain / raw",
             ratio((drain_localstack, "localstack_cpu_us_per_job"), (raw_localstack, "localstack_cpu_us_per_message")),
+            None,
+        ),
+        (
+            "in-memory latency p50 - floor p50, ms",
+            paired((latency_memory, "p50_ms"), (latency_floor, "p50_ms"), |a, b| a - b),
             None,
         ),
     ];
