@@ -200,6 +200,8 @@ async fn run() -> Result<(), Error> {
     let wanted = |workload: &Workload| only.is_empty() || only.contains(workload);
     let pairs = |default: usize| number("BENCH_PAIRS", default as f64).max(1.0) as usize;
     let mut ran: Vec<Workload> = Vec::new();
+    // Wall-clock seconds by what set the pace: Postgres, the pickup latencies' fixed rate, LocalStack.
+    let mut seconds = [0.0_f64; 3];
     for workload in WORKLOADS.map(|(_, workload)| workload).into_iter().filter(wanted) {
         if ran.contains(&workload) {
             continue; // run with its pair
@@ -208,6 +210,7 @@ async fn run() -> Result<(), Error> {
             Some((pair, rounds)) => (pair.iter().copied().filter(wanted).collect(), pairs(*rounds)),
             None => (vec![workload], 1),
         };
+        let started = Instant::now();
         for round in 1..=rounds {
             for mut result in group_run(&group, &settings).await? {
                 if rounds > 1 {
@@ -216,11 +219,30 @@ async fn run() -> Result<(), Error> {
                 emit(result);
             }
         }
+        seconds[paced_by(workload)] += started.elapsed().as_secs_f64();
         ran.extend(group);
     }
+    let tenths = |x: f64| (x * 10.0).round() / 10.0;
+    emit(json!({
+        "workload": "run-time", "postgres_s": tenths(seconds[0]), "latency_s": tenths(seconds[1]),
+        "localstack_s": tenths(seconds[2]),
+    }));
 
     report(&results);
     Ok(())
+}
+
+/// Which part of a run's wall clock a workload's time goes to: 0 for what Postgres paces, 1 for
+/// the in-memory pickup latencies and their floor (a fixed insert rate: 2 × BENCH_LATENCY_N /
+/// BENCH_RATE seconds a pair), 2 for what LocalStack paces. On a slow machine the budget of a
+/// clean clone's `make bench` goes to the compile and the last part (BENCHMARKS.md).
+fn paced_by(workload: Workload) -> usize {
+    match workload {
+        Workload::Alone(Solo::RawLocalStack | Solo::DispatchLocalStack | Solo::DrainLocalStack)
+        | Workload::Pickup(Side::LocalStack) => 2,
+        Workload::Pickup(_) => 1,
+        Workload::Alone(_) => 0,
+    }
 }
 
 /// `BENCH_ONLY=drain-memory,sql-floor`: the workloads named, or none (all); a name that is no
@@ -1263,6 +1285,16 @@ fn report(results: &[Value]) {
     line(
         "in-memory start → finish p50 / p99",
         format!("{:.2} / {:.2} ms", f(&lat_mem, "run_p50_ms"), f(&lat_mem, "run_p99_ms")),
+    );
+    let run_time = find(Of("run-time", None), "postgres_s");
+    line(
+        "run time: Postgres / latency / LocalStack",
+        format!(
+            "{:.0} / {:.0} / {:.0} s",
+            f(&run_time, "postgres_s"),
+            f(&run_time, "latency_s"),
+            f(&run_time, "localstack_s")
+        ),
     );
     line(
         "peak RSS scheduler / runner (drain)",
