@@ -1305,8 +1305,8 @@ fn report(results: &[Value]) {
     // no target. One says whether a LocalStack drain that misses its target asked more of
     // LocalStack per message than the raw client did, or found LocalStack slower that minute.
     // The other is how far rowq's pickup is behind the floor's, in ms: the protocol's second step
-    // (the claim commits before the worker's fence can start), which stays about the same when a
-    // faster machine makes the floor faster, so the p50 ratio rises with the floor's speed.
+    // (the claim commits before the worker's fence can start), which a faster machine shrinks
+    // less than it shrinks the floor, so the p50 ratio rises with the floor's speed.
     let ratios = [
         (
             "in-memory drain / sql-floor",
