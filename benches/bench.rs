@@ -200,7 +200,7 @@ async fn run() -> Result<(), Error> {
     let wanted = |workload: &Workload| only.is_empty() || only.contains(workload);
     let pairs = |default: usize| number("BENCH_PAIRS", default as f64).max(1.0) as usize;
     let mut ran: Vec<Workload> = Vec::new();
-    // Wall-clock seconds by what set the pace: Postgres, the pickup latencies' fixed rate, LocalStack.
+    // Wall-clock seconds by what set the pace ([`Pace`]).
     let mut seconds = [0.0_f64; 3];
     for workload in WORKLOADS.map(|(_, workload)| workload).into_iter().filter(wanted) {
         if ran.contains(&workload) {
@@ -219,29 +219,39 @@ async fn run() -> Result<(), Error> {
                 emit(result);
             }
         }
-        seconds[paced_by(workload)] += started.elapsed().as_secs_f64();
+        seconds[Pace::of(workload) as usize] += started.elapsed().as_secs_f64();
         ran.extend(group);
     }
     let tenths = |x: f64| (x * 10.0).round() / 10.0;
     emit(json!({
-        "workload": "run-time", "postgres_s": tenths(seconds[0]), "latency_s": tenths(seconds[1]),
-        "localstack_s": tenths(seconds[2]),
+        "workload": "run-time", "postgres_s": tenths(seconds[Pace::Postgres as usize]),
+        "latency_s": tenths(seconds[Pace::Rate as usize]), "localstack_s": tenths(seconds[Pace::LocalStack as usize]),
     }));
 
     report(&results);
     Ok(())
 }
 
-/// Which part of a run's wall clock a workload's time goes to: 0 for what Postgres paces, 1 for
-/// the in-memory pickup latencies and their floor (a fixed insert rate: 2 × BENCH_LATENCY_N /
-/// BENCH_RATE seconds a pair), 2 for what LocalStack paces. On a slow machine the budget of a
-/// clean clone's `make bench` goes to the compile and the last part (BENCHMARKS.md).
-fn paced_by(workload: Workload) -> usize {
-    match workload {
-        Workload::Alone(Solo::RawLocalStack | Solo::DispatchLocalStack | Solo::DrainLocalStack)
-        | Workload::Pickup(Side::LocalStack) => 2,
-        Workload::Pickup(_) => 1,
-        Workload::Alone(_) => 0,
+/// What sets the pace of a workload, and so which part of the run's wall clock (the `run-time`
+/// line) its time goes to. On a slow machine a clean clone's `make bench` spends its budget on
+/// the compile and on LocalStack (BENCHMARKS.md).
+#[derive(Clone, Copy)]
+enum Pace {
+    Postgres,
+    /// The in-memory pickup latencies and their floor: a fixed insert rate, 2 × BENCH_LATENCY_N
+    /// / BENCH_RATE seconds a pair.
+    Rate,
+    LocalStack,
+}
+
+impl Pace {
+    fn of(workload: Workload) -> Pace {
+        match workload {
+            Workload::Alone(Solo::RawLocalStack | Solo::DispatchLocalStack | Solo::DrainLocalStack)
+            | Workload::Pickup(Side::LocalStack) => Pace::LocalStack,
+            Workload::Pickup(_) => Pace::Rate,
+            Workload::Alone(_) => Pace::Postgres,
+        }
     }
 }
 
