@@ -148,7 +148,7 @@ impl AllocationMeter {
     fn per(&self, items: f64) -> (f64, f64) {
         let allocations = (ALLOCATIONS.load(Ordering::Relaxed) - self.allocations) as f64;
         let bytes = (ALLOCATED_BYTES.load(Ordering::Relaxed) - self.bytes) as f64;
-        ((allocations / items * 10.0).round() / 10.0, (bytes / items).round())
+        (rounded(allocations / items, 1), rounded(bytes / items, 0))
     }
 }
 
@@ -222,14 +222,19 @@ async fn run() -> Result<(), Error> {
         seconds[Pace::of(workload) as usize] += started.elapsed().as_secs_f64();
         ran.extend(group);
     }
-    let tenths = |x: f64| (x * 10.0).round() / 10.0;
     emit(json!({
-        "workload": "run-time", "postgres_s": tenths(seconds[Pace::Postgres as usize]),
-        "latency_s": tenths(seconds[Pace::Rate as usize]), "localstack_s": tenths(seconds[Pace::LocalStack as usize]),
+        "workload": "run-time", "postgres_s": rounded(seconds[Pace::Postgres as usize], 1),
+        "latency_s": rounded(seconds[Pace::Rate as usize], 1), "localstack_s": rounded(seconds[Pace::LocalStack as usize], 1),
     }));
 
     report(&results);
     Ok(())
+}
+
+/// `x` rounded to `places` decimal places, as the JSON lines report figures.
+fn rounded(x: f64, places: i32) -> f64 {
+    let scale = 10_f64.powi(places);
+    (x * scale).round() / scale
 }
 
 /// What sets the pace of a workload, and so which part of the run's wall clock (the `run-time`
@@ -558,7 +563,7 @@ impl ProcessMeter {
 fn percentiles(ms: &mut [f64]) -> (f64, f64, f64) {
     ms.sort_by(f64::total_cmp);
     let at = |p: f64| ms.get(((ms.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(f64::NAN);
-    let round = |x: f64| (x * 100.0).round() / 100.0;
+    let round = |x: f64| rounded(x, 2);
     (round(at(0.5)), round(at(0.99)), round(at(1.0)))
 }
 
@@ -831,7 +836,7 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
         "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c,
         "cpu_us_per_job": cpu_us, "client_cpu_us_per_job": client_cpu_us,
         "client_allocations_per_job": allocations, "client_allocated_bytes_per_job": allocated_bytes,
-        "mean_batch": (settings.n as f64 / progress.batches.load(Ordering::Relaxed).max(1) as f64 * 10.0).round() / 10.0,
+        "mean_batch": rounded(settings.n as f64 / progress.batches.load(Ordering::Relaxed).max(1) as f64, 1),
     }))
 }
 
@@ -1177,7 +1182,7 @@ async fn drain_localstack(settings: &Settings) -> Result<Value, Error> {
                     .map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string())
             })
             .and_then(|kb| kb.parse::<u64>().ok())
-            .map_or(0.0, |kb| (kb as f64 / 1024.0 * 10.0).round() / 10.0)
+            .map_or(0.0, |kb| rounded(kb as f64 / 1024.0, 1))
     };
     let (scheduler_mb, runner_mb) = (peak(scheduler.id()), peak(runner.id()));
     let _ = scheduler.start_kill();
@@ -1349,7 +1354,7 @@ fn report(results: &[Value]) {
             None,
         ),
     ];
-    let round = |x: f64| (x * 100.0).round() / 100.0;
+    let round = |x: f64| rounded(x, 2);
     eprintln!();
     eprintln!("{:<44} {:>8} {:>8}  MET  (each pair)", "RATIO", "VALUE", "TARGET");
     for (name, (value, each), target) in ratios {
