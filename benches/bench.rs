@@ -200,8 +200,8 @@ async fn run() -> Result<(), Error> {
     let wanted = |workload: &Workload| only.is_empty() || only.contains(workload);
     let pairs = |default: usize| number("BENCH_PAIRS", default as f64).max(1.0) as usize;
     let mut ran: Vec<Workload> = Vec::new();
-    // Wall-clock seconds by what set the pace ([`Pace`]).
-    let mut seconds = [0.0_f64; 3];
+    // Wall-clock seconds by what set the pace.
+    let mut seconds = RunTime::default();
     for workload in WORKLOADS.map(|(_, workload)| workload).into_iter().filter(wanted) {
         if ran.contains(&workload) {
             continue; // run with its pair
@@ -219,12 +219,12 @@ async fn run() -> Result<(), Error> {
                 emit(result);
             }
         }
-        seconds[Pace::of(workload) as usize] += started.elapsed().as_secs_f64();
+        seconds.add(Pace::of(workload), started.elapsed().as_secs_f64());
         ran.extend(group);
     }
     emit(json!({
-        "workload": "run-time", "postgres_s": rounded(seconds[Pace::Postgres as usize], 1),
-        "latency_s": rounded(seconds[Pace::Rate as usize], 1), "localstack_s": rounded(seconds[Pace::LocalStack as usize], 1),
+        "workload": "run-time", "postgres_s": rounded(seconds.postgres, 1),
+        "latency_s": rounded(seconds.rate, 1), "localstack_s": rounded(seconds.localstack, 1),
     }));
 
     report(&results);
@@ -247,6 +247,24 @@ enum Pace {
     /// / BENCH_RATE seconds a pair.
     Rate,
     LocalStack,
+}
+
+/// The run's wall clock in seconds, by [`Pace`]: the `run-time` line.
+#[derive(Default)]
+struct RunTime {
+    postgres: f64,
+    rate: f64,
+    localstack: f64,
+}
+
+impl RunTime {
+    fn add(&mut self, pace: Pace, seconds: f64) {
+        *match pace {
+            Pace::Postgres => &mut self.postgres,
+            Pace::Rate => &mut self.rate,
+            Pace::LocalStack => &mut self.localstack,
+        } += seconds;
+    }
 }
 
 impl Pace {
@@ -1316,8 +1334,9 @@ fn report(results: &[Value]) {
         format!("{:.1} / {:.1} MB", f(&drain_ls, "scheduler_peak_rss_mb"), f(&drain_ls, "runner_peak_rss_mb")),
     );
 
-    // (name, the median and each pair, the target and whether it is a floor) — the last two have
-    // no target. One says whether a LocalStack drain that misses its target asked more of
+    // (name, unit, the median and each pair, the target and whether it is a floor) — the last two
+    // have no target. The unit is in each row's JSON line, which names the row by "ratio" even
+    // where the row is a difference in ms. One says whether a LocalStack drain that misses its target asked more of
     // LocalStack per message than the raw client did, or found LocalStack slower that minute.
     // The other is how far rowq's pickup is behind the floor's, in ms: the protocol's second step
     // (the claim commits before the worker's fence can start), which a faster machine shrinks
@@ -1325,31 +1344,37 @@ fn report(results: &[Value]) {
     let ratios = [
         (
             "in-memory drain / sql-floor",
+            "ratio",
             ratio((drain_memory, "jobs_per_s"), (sql_floor, "rows_per_s")),
             Some((0.5, true)),
         ),
         (
             "in-memory latency p50 / floor p50",
+            "ratio",
             ratio((latency_memory, "p50_ms"), (latency_floor, "p50_ms")),
             Some((1.5, false)),
         ),
         (
             "in-memory latency p99 / floor p99",
+            "ratio",
             ratio((latency_memory, "p99_ms"), (latency_floor, "p99_ms")),
             Some((3.0, false)),
         ),
         (
             "LocalStack drain / raw LocalStack",
+            "ratio",
             ratio((drain_localstack, "jobs_per_s"), (raw_localstack, "messages_per_s")),
             Some((0.8, true)),
         ),
         (
             "LocalStack's CPU per message, drain / raw",
+            "ratio",
             ratio((drain_localstack, "localstack_cpu_us_per_job"), (raw_localstack, "localstack_cpu_us_per_message")),
             None,
         ),
         (
             "in-memory latency p50 - floor p50, ms",
+            "ms",
             paired((latency_memory, "p50_ms"), (latency_floor, "p50_ms"), |a, b| a - b),
             None,
         ),
@@ -1357,7 +1382,7 @@ fn report(results: &[Value]) {
     let round = |x: f64| rounded(x, 2);
     eprintln!();
     eprintln!("{:<44} {:>8} {:>8}  MET  (each pair)", "RATIO", "VALUE", "TARGET");
-    for (name, (value, each), target) in ratios {
+    for (name, unit, (value, each), target) in ratios {
         let met = target.map(|(target, at_least)| if at_least { value >= target } else { value <= target });
         let pairs: Vec<String> = each.iter().map(|r| format!("{r:.2}")).collect();
         let goal = match target {
@@ -1376,7 +1401,7 @@ fn report(results: &[Value]) {
         println!(
             "{}",
             json!({
-                "ratio": name, "value": round(value), "pairs": each.iter().map(|r| round(*r)).collect::<Vec<_>>(),
+                "ratio": name, "unit": unit, "value": round(value), "pairs": each.iter().map(|r| round(*r)).collect::<Vec<_>>(),
                 "target": target.map(|(target, _)| target), "at_least": target.map(|(_, at_least)| at_least),
                 "met": met,
             })
