@@ -1335,9 +1335,9 @@ fn report(results: &[Value]) {
     );
 
     // (name, unit, the median and each pair, the target and whether it is a floor) — the last two
-    // have no target. The unit is in each row's JSON line, which names the row by "ratio" even
-    // where the row is a difference in ms. One says whether a LocalStack drain that misses its target asked more of
-    // LocalStack per message than the raw client did, or found LocalStack slower that minute.
+    // have no target. Each row's JSON line names it by "ratio" and gives its unit, since the last
+    // row is a difference in ms. One says whether a LocalStack drain that misses its target asked
+    // more of LocalStack per message than the raw client did, or found LocalStack slower that minute.
     // The other is how far rowq's pickup is behind the floor's, in ms: the protocol's second step
     // (the claim commits before the worker's fence can start), which a faster machine shrinks
     // less than it shrinks the floor, so the p50 ratio rises with the floor's speed.
@@ -1401,7 +1401,8 @@ fn report(results: &[Value]) {
         println!(
             "{}",
             json!({
-                "ratio": name, "unit": unit, "value": round(value), "pairs": each.iter().map(|r| round(*r)).collect::<Vec<_>>(),
+                "ratio": name, "unit": unit, "value": round(value),
+                "pairs": each.iter().map(|r| round(*r)).collect::<Vec<_>>(),
                 "target": target.map(|(target, _)| target), "at_least": target.map(|(_, at_least)| at_least),
                 "met": met,
             })
