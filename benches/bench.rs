@@ -200,7 +200,6 @@ async fn run() -> Result<(), Error> {
     let wanted = |workload: &Workload| only.is_empty() || only.contains(workload);
     let pairs = |default: usize| number("BENCH_PAIRS", default as f64).max(1.0) as usize;
     let mut ran: Vec<Workload> = Vec::new();
-    // Wall-clock seconds by what set the pace.
     let mut seconds = RunTime::default();
     for workload in WORKLOADS.map(|(_, workload)| workload).into_iter().filter(wanted) {
         if ran.contains(&workload) {
@@ -219,7 +218,7 @@ async fn run() -> Result<(), Error> {
                 emit(result);
             }
         }
-        seconds.add(Pace::of(workload), started.elapsed().as_secs_f64());
+        seconds.add(workload, started.elapsed().as_secs_f64());
         ran.extend(group);
     }
     emit(json!({
@@ -237,44 +236,26 @@ fn rounded(x: f64, places: i32) -> f64 {
     (x * scale).round() / scale
 }
 
-/// What sets the pace of a workload, and so which part of the run's wall clock (the `run-time`
-/// line) its time goes to. On a slow machine a clean clone's `make bench` spends its budget on
-/// the compile and on LocalStack (BENCHMARKS.md).
-#[derive(Clone, Copy)]
-enum Pace {
-    Postgres,
-    /// The in-memory pickup latencies and their floor: a fixed insert rate, 2 × BENCH_LATENCY_N
-    /// / BENCH_RATE seconds a pair.
-    Rate,
-    LocalStack,
-}
-
-/// The run's wall clock in seconds, by [`Pace`]: the `run-time` line.
+/// The run's wall clock in seconds (the `run-time` line), by what set each workload's pace. On a
+/// slow machine a clean clone's `make bench` spends its budget on the compile and on LocalStack
+/// (BENCHMARKS.md).
 #[derive(Default)]
 struct RunTime {
     postgres: f64,
+    /// The in-memory pickup latencies and their floor: a fixed insert rate, 2 × BENCH_LATENCY_N
+    /// / BENCH_RATE seconds a pair.
     rate: f64,
     localstack: f64,
 }
 
 impl RunTime {
-    fn add(&mut self, pace: Pace, seconds: f64) {
-        *match pace {
-            Pace::Postgres => &mut self.postgres,
-            Pace::Rate => &mut self.rate,
-            Pace::LocalStack => &mut self.localstack,
-        } += seconds;
-    }
-}
-
-impl Pace {
-    fn of(workload: Workload) -> Pace {
-        match workload {
+    fn add(&mut self, workload: Workload, seconds: f64) {
+        *match workload {
             Workload::Alone(Solo::RawLocalStack | Solo::DispatchLocalStack | Solo::DrainLocalStack)
-            | Workload::Pickup(Side::LocalStack) => Pace::LocalStack,
-            Workload::Pickup(_) => Pace::Rate,
-            Workload::Alone(_) => Pace::Postgres,
-        }
+            | Workload::Pickup(Side::LocalStack) => &mut self.localstack,
+            Workload::Pickup(_) => &mut self.rate,
+            Workload::Alone(_) => &mut self.postgres,
+        } += seconds;
     }
 }
 
@@ -1250,7 +1231,9 @@ fn report(results: &[Value]) {
         let median = (middle(each.len().saturating_sub(1) / 2) + middle(each.len() / 2)) / 2.0;
         (median, each)
     };
-    let ratio = |measured: (Of, &str), floor: (Of, &str)| paired(measured, floor, |a, b| a / b);
+    // Each comparison names its unit, which the report's JSON line carries.
+    let ratio = |measured: (Of, &str), floor: (Of, &str)| ("ratio", paired(measured, floor, |a, b| a / b));
+    let difference = |measured: (Of, &str), floor: (Of, &str)| ("ms", paired(measured, floor, |a, b| a - b));
     let (sql_floor, latency_floor) = (Of("sql-floor", None), Of("latency-floor", None));
     let (drain_memory, latency_memory) = (Of("drain", Some("memory")), Of("latency", Some("memory")));
     let (raw_localstack, drain_localstack) = (Of("raw-localstack", None), Of("drain", Some("localstack")));
@@ -1334,9 +1317,9 @@ fn report(results: &[Value]) {
         format!("{:.1} / {:.1} MB", f(&drain_ls, "scheduler_peak_rss_mb"), f(&drain_ls, "runner_peak_rss_mb")),
     );
 
-    // (name, unit, the median and each pair, the target and whether it is a floor) — the last two
-    // have no target. Each row's JSON line names it by "ratio" and gives its unit, since the last
-    // row is a difference in ms. One says whether a LocalStack drain that misses its target asked
+    // (name, the unit with the median and each pair, the target and whether it is a floor) — the
+    // last two have no target. Each row's JSON line names it by "ratio" and gives its unit, since
+    // the last row is a difference in ms. One says whether a LocalStack drain that misses its target asked
     // more of LocalStack per message than the raw client did, or found LocalStack slower that minute.
     // The other is how far rowq's pickup is behind the floor's, in ms: the protocol's second step
     // (the claim commits before the worker's fence can start), which a faster machine shrinks
@@ -1344,45 +1327,39 @@ fn report(results: &[Value]) {
     let ratios = [
         (
             "in-memory drain / sql-floor",
-            "ratio",
             ratio((drain_memory, "jobs_per_s"), (sql_floor, "rows_per_s")),
             Some((0.5, true)),
         ),
         (
             "in-memory latency p50 / floor p50",
-            "ratio",
             ratio((latency_memory, "p50_ms"), (latency_floor, "p50_ms")),
             Some((1.5, false)),
         ),
         (
             "in-memory latency p99 / floor p99",
-            "ratio",
             ratio((latency_memory, "p99_ms"), (latency_floor, "p99_ms")),
             Some((3.0, false)),
         ),
         (
             "LocalStack drain / raw LocalStack",
-            "ratio",
             ratio((drain_localstack, "jobs_per_s"), (raw_localstack, "messages_per_s")),
             Some((0.8, true)),
         ),
         (
             "LocalStack's CPU per message, drain / raw",
-            "ratio",
             ratio((drain_localstack, "localstack_cpu_us_per_job"), (raw_localstack, "localstack_cpu_us_per_message")),
             None,
         ),
         (
             "in-memory latency p50 - floor p50, ms",
-            "ms",
-            paired((latency_memory, "p50_ms"), (latency_floor, "p50_ms"), |a, b| a - b),
+            difference((latency_memory, "p50_ms"), (latency_floor, "p50_ms")),
             None,
         ),
     ];
     let round = |x: f64| rounded(x, 2);
     eprintln!();
     eprintln!("{:<44} {:>8} {:>8}  MET  (each pair)", "RATIO", "VALUE", "TARGET");
-    for (name, unit, (value, each), target) in ratios {
+    for (name, (unit, (value, each)), target) in ratios {
         let met = target.map(|(target, at_least)| if at_least { value >= target } else { value <= target });
         let pairs: Vec<String> = each.iter().map(|r| format!("{r:.2}")).collect();
         let goal = match target {
