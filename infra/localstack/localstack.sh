@@ -26,20 +26,25 @@ version=2026.3.0
 
 say() { printf 'localstack: %s\n' "$*" >&2; }
 
+# localstack-core 2026.3.0 needs Python 3.13: `localstack.utils.tagging` imports
+# `warnings.deprecated`, new in 3.13. On 3.12 it installs, then fails at start with "No component
+# plugins found" (the plugin that imports it cannot load), although the package declares >= 3.10.
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 13))' 2>/dev/null; }
+
 find_python() {
   local candidate
-  for candidate in python3.13 python3.12; do
-    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+  for candidate in python3.13 python3.14; do
+    if command -v "$candidate" >/dev/null 2>&1 && new_enough "$candidate"; then
       command -v "$candidate"; return 0
     fi
   done
   if command -v pyenv >/dev/null 2>&1; then
     local pyroot; pyroot=$(pyenv root)
-    for candidate in "$pyroot"/versions/3.13*/bin/python3 "$pyroot"/versions/3.12*/bin/python3; do
-      [ -x "$candidate" ] && { echo "$candidate"; return 0; }
+    for candidate in "$pyroot"/versions/3.13*/bin/python3 "$pyroot"/versions/3.14*/bin/python3; do
+      [ -x "$candidate" ] && new_enough "$candidate" && { echo "$candidate"; return 0; }
     done
   fi
-  if command -v python3 >/dev/null 2>&1 && python3 -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+  if command -v python3 >/dev/null 2>&1 && new_enough python3; then
     command -v python3; return 0
   fi
   return 1
@@ -55,14 +60,14 @@ PY
 }
 
 install() {
-  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import localstack' 2>/dev/null \
+  if [ -x "$venv/bin/python" ] && new_enough "$venv/bin/python" && "$venv/bin/python" -c 'import localstack' 2>/dev/null \
      && [ "$(cat "$venv/.rowq-version" 2>/dev/null)" = "$version" ]; then
     return 0
   fi
   local py
   if ! py=$(find_python); then
-    say "needs Python >= 3.12 (localstack-core $version uses 3.12 syntax)."
-    say "install python3.12 or python3.13 (e.g. 'pyenv install 3.12', or your OS package) and retry."
+    say "needs Python >= 3.13 (localstack-core $version imports warnings.deprecated, new in 3.13)."
+    say "install python3.13 (e.g. 'pyenv install 3.13', or your OS package) and retry."
     exit 1
   fi
   say "installing localstack-core $version into $venv with $py (about 30 s, once)"
