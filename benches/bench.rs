@@ -27,7 +27,7 @@ use rowq::{Registry, Scheduler, Worker};
 use serde_json::{Value, json};
 use sqlx::migrate::MigrateDatabase;
 use sqlx::postgres::PgListener;
-use sqlx::{PgPool, Postgres};
+use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use tokio::process::Command;
 use tokio::sync::watch;
 
@@ -466,10 +466,10 @@ const WARM_UP_JOBS: usize = 20;
 /// (the floor's first two claims, timed in the client): the first ~10–20 jobs of a run waited
 /// up to ~150 ms, which was the floor's whole p99 at 1000 jobs and had nothing to do with either
 /// queue. Both the floor and rowq warm up the same way.
-async fn warm_up(pool: &PgPool, per_second: f64) -> Result<i64, Error> {
-    trickle(&mut ticker(per_second), pool, WARM_UP_JOBS).await?;
+async fn warm_up(client: &mut PgConnection, per_second: f64) -> Result<i64, Error> {
+    trickle(&mut ticker(per_second), client, WARM_UP_JOBS).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Ok(sqlx::query_scalar("SELECT coalesce(max(id), 0) FROM rowq.jobs").fetch_one(pool).await?)
+    Ok(sqlx::query_scalar("SELECT coalesce(max(id), 0) FROM rowq.jobs").fetch_one(client).await?)
 }
 
 /// CPU time spent since it was made, from `/proc`: by the whole machine (Postgres, LocalStack and
@@ -576,10 +576,10 @@ fn ticker(per_second: f64) -> tokio::time::Interval {
 }
 
 /// Inserts `n` jobs one per transaction, one per tick of `ticks`, from one connection.
-async fn trickle(ticks: &mut tokio::time::Interval, pool: &PgPool, n: usize) -> Result<(), Error> {
+async fn trickle(ticks: &mut tokio::time::Interval, client: &mut PgConnection, n: usize) -> Result<(), Error> {
     for _ in 0..n {
         ticks.tick().await;
-        sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(pool).await?;
+        sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(&mut *client).await?;
     }
     Ok(())
 }
@@ -1033,18 +1033,26 @@ async fn pickup_turns(sides: &[Side], settings: &Settings) -> Result<Vec<Value>,
     for side in sides {
         pickups.push(Pickup::start(*side, settings).await?);
     }
-    let mut afters = Vec::new();
+    // Each side's inserts come from a client on a connection of its own, taken out of the pool:
+    // inserting through the pool put sqlx's check-in round trip on the two cores just as each
+    // job's notification went out, on both sides (docs/benchmarks-log.md, round 32).
+    let (mut clients, mut afters) = (Vec::new(), Vec::new());
     for pickup in &pickups {
-        afters.push(warm_up(pickup.pool(), settings.rate).await?);
+        let mut client = pickup.pool().acquire().await?.detach();
+        afters.push(warm_up(&mut client, settings.rate).await?);
+        clients.push(client);
     }
     let mut ticks = ticker(settings.rate);
     let mut left = settings.latency_n;
     while left > 0 {
         let turn = left.min(LATENCY_TURN);
-        for pickup in &pickups {
-            trickle(&mut ticks, pickup.pool(), turn).await?;
+        for client in &mut clients {
+            trickle(&mut ticks, client, turn).await?;
         }
         left -= turn;
+    }
+    for client in clients {
+        client.close().await?;
     }
     let mut results = Vec::new();
     for (pickup, after) in pickups.into_iter().zip(afters) {
