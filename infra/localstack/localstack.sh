@@ -60,7 +60,8 @@ PY
 }
 
 install() {
-  if [ -x "$venv/bin/python" ] && new_enough "$venv/bin/python" && "$venv/bin/python" -c 'import localstack' 2>/dev/null \
+  if [ -x "$venv/bin/python" ] && new_enough "$venv/bin/python" \
+     && "$venv/bin/python" -c 'import localstack' 2>/dev/null \
      && [ "$(cat "$venv/.rowq-version" 2>/dev/null)" = "$version" ]; then
     return 0
   fi
