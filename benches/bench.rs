@@ -1325,10 +1325,10 @@ fn report(results: &[Value]) {
         format!("{:.1} / {:.1} MB", f(&drain_ls, "scheduler_peak_rss_mb"), f(&drain_ls, "runner_peak_rss_mb")),
     );
 
-    // (name, the unit with the median and each pair, the target and whether it is a floor) — the
-    // last two have no target. Each row's JSON line names it by "ratio" and gives its unit, since
-    // the last row is a difference in ms. One says whether a LocalStack drain that misses its target asked
-    // more of LocalStack per message than the raw client did, or found LocalStack slower that minute.
+    // (name, the unit with the median and each pair, the target and whether it is a floor); each
+    // row's JSON line names it by "ratio" and gives its unit, "ms" for the last. The last two have
+    // no target. One says whether a LocalStack drain that misses its target asked more of
+    // LocalStack per message than the raw client did, or found LocalStack slower that minute.
     // The other is how far rowq's pickup is behind the floor's, in ms: the protocol's second step
     // (the claim commits before the worker's fence can start), which a faster machine shrinks
     // less than it shrinks the floor, so the p50 ratio rises with the floor's speed.

@@ -32,21 +32,14 @@ say() { printf 'localstack: %s\n' "$*" >&2; }
 new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 13))' 2>/dev/null; }
 
 find_python() {
-  local candidate
-  for candidate in python3.13 python3.14; do
-    if command -v "$candidate" >/dev/null 2>&1 && new_enough "$candidate"; then
-      command -v "$candidate"; return 0
-    fi
-  done
+  local candidates=(python3.13 python3.14) candidate
   if command -v pyenv >/dev/null 2>&1; then
     local pyroot; pyroot=$(pyenv root)
-    for candidate in "$pyroot"/versions/3.13*/bin/python3 "$pyroot"/versions/3.14*/bin/python3; do
-      [ -x "$candidate" ] && new_enough "$candidate" && { echo "$candidate"; return 0; }
-    done
+    candidates+=("$pyroot"/versions/3.13*/bin/python3 "$pyroot"/versions/3.14*/bin/python3)
   fi
-  if command -v python3 >/dev/null 2>&1 && new_enough python3; then
-    command -v python3; return 0
-  fi
+  for candidate in "${candidates[@]}" python3; do
+    candidate=$(command -v "$candidate") && new_enough "$candidate" && { echo "$candidate"; return 0; }
+  done
   return 1
 }
 
