@@ -362,6 +362,33 @@ async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order() {
     assert_eq!(sent, vec![second]);
 }
 
+/// Ids are given out at INSERT and rows appear at COMMIT. When two transactions enqueue into one
+/// group at the same time and the later id commits first, the claim cannot see the earlier id yet:
+/// the later one goes first, and the earlier one is claimed once it commits, while the other is
+/// still in flight. SQS FIFO holds a group's second message until the first is deleted, so they
+/// still run one at a time, in commit order (README, `group_key`; docs/DESIGN.md, 2).
+#[tokio::test]
+async fn group_jobs_from_overlapping_transactions_are_dispatched_in_commit_order() {
+    let pool = common::database().await;
+    let job = |n: i64| NewJob { group_key: Some("customer-7".into()), ..NewJob::new("noop", json!({ "n": n })) };
+    let mut open = pool.begin().await.unwrap();
+    let numbered_first = admin::enqueue(&mut *open, &job(1)).await.unwrap().unwrap();
+    let committed_first = enqueue_with(&pool, job(2)).await;
+    assert!(numbered_first.0 < committed_first.0);
+    let scheduler = memory_scheduler(&pool);
+
+    scheduler.run_once().await.unwrap();
+    let sent: Vec<JobId> = scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect();
+    assert_eq!(sent, vec![committed_first], "only the committed job exists for the claim");
+
+    open.commit().await.unwrap();
+    scheduler.run_once().await.unwrap();
+    let sent: Vec<(JobId, String)> =
+        scheduler.publisher().take().into_iter().map(|o| (o.message.job_id, o.group_id)).collect();
+    assert_eq!(sent, vec![(numbered_first, "customer-7".to_string())], "behind the other, in the same FIFO group");
+    assert_eq!(common::job(&pool, committed_first).await.state, JobState::Dispatched);
+}
+
 #[tokio::test]
 async fn an_idle_scheduler_wakes_on_notify_long_before_its_poll_interval() {
     let pool = common::database().await;
