@@ -62,6 +62,21 @@ async fn enqueue_with(pool: &PgPool, job: NewJob) -> JobId {
     admin::enqueue(pool, &job).await.unwrap().unwrap()
 }
 
+/// The `n`th no-op job of `group` (`n` in its payload).
+fn group_job(group: &str, n: i64) -> NewJob {
+    NewJob { group_key: Some(group.into()), ..NewJob::new("noop", json!({ "n": n })) }
+}
+
+/// The job ids the scheduler has published since the last take, in order.
+fn sent_ids(scheduler: &Scheduler<MemoryPublisher>) -> Vec<JobId> {
+    scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect()
+}
+
+/// [`sent_ids`] with each message's FIFO group.
+fn sent_with_groups(scheduler: &Scheduler<MemoryPublisher>) -> Vec<(JobId, String)> {
+    scheduler.publisher().take().into_iter().map(|o| (o.message.job_id, o.group_id)).collect()
+}
+
 #[tokio::test]
 async fn claims_follow_priority_then_run_at_then_id_and_skip_future_rows() {
     let pool = common::database().await;
@@ -329,19 +344,13 @@ async fn a_crash_between_claim_and_publish_is_rescued_after_the_lease_and_the_ol
 #[tokio::test]
 async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order() {
     let pool = common::database().await;
-    let group = |n: i64| NewJob {
-        group_key: Some("customer-9".into()),
-        payload: json!({ "n": n }),
-        ..NewJob::new("noop", json!({}))
-    };
-    let first = enqueue_with(&pool, group(1)).await;
-    let second = enqueue_with(&pool, NewJob { priority: Some(50), ..group(2) }).await;
+    let first = enqueue_with(&pool, group_job("customer-9", 1)).await;
+    let second = enqueue_with(&pool, NewJob { priority: Some(50), ..group_job("customer-9", 2) }).await;
     let loose = common::enqueue(&pool, "noop", json!({})).await;
     let scheduler = memory_scheduler(&pool);
 
     scheduler.run_once().await.unwrap();
-    let sent: Vec<(JobId, String)> =
-        scheduler.publisher().take().into_iter().map(|o| (o.message.job_id, o.group_id)).collect();
+    let sent = sent_with_groups(&scheduler);
     assert_eq!(sent.len(), 2);
     assert_eq!(sent[0], (first, "customer-9".to_string()));
     assert_eq!(sent[1].0, loose);
@@ -358,8 +367,7 @@ async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order() {
         .await
         .unwrap();
     scheduler.run_once().await.unwrap();
-    let sent: Vec<JobId> = scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect();
-    assert_eq!(sent, vec![second]);
+    assert_eq!(sent_ids(&scheduler), vec![second]);
 }
 
 /// Ids are given out at INSERT and rows appear at COMMIT. When two transactions enqueue into one
@@ -370,22 +378,22 @@ async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order() {
 #[tokio::test]
 async fn group_jobs_from_overlapping_transactions_are_dispatched_in_commit_order() {
     let pool = common::database().await;
-    let job = |n: i64| NewJob { group_key: Some("customer-7".into()), ..NewJob::new("noop", json!({ "n": n })) };
     let mut open = pool.begin().await.unwrap();
-    let numbered_first = admin::enqueue(&mut *open, &job(1)).await.unwrap().unwrap();
-    let committed_first = enqueue_with(&pool, job(2)).await;
+    let numbered_first = admin::enqueue(&mut *open, &group_job("customer-7", 1)).await.unwrap().unwrap();
+    let committed_first = enqueue_with(&pool, group_job("customer-7", 2)).await;
     assert!(numbered_first.0 < committed_first.0);
     let scheduler = memory_scheduler(&pool);
 
     scheduler.run_once().await.unwrap();
-    let sent: Vec<JobId> = scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect();
-    assert_eq!(sent, vec![committed_first], "only the committed job exists for the claim");
+    assert_eq!(sent_ids(&scheduler), vec![committed_first], "only the committed job exists for the claim");
 
     open.commit().await.unwrap();
     scheduler.run_once().await.unwrap();
-    let sent: Vec<(JobId, String)> =
-        scheduler.publisher().take().into_iter().map(|o| (o.message.job_id, o.group_id)).collect();
-    assert_eq!(sent, vec![(numbered_first, "customer-7".to_string())], "behind the other, in the same FIFO group");
+    assert_eq!(
+        sent_with_groups(&scheduler),
+        vec![(numbered_first, "customer-7".to_string())],
+        "behind the other, in the same FIFO group"
+    );
     assert_eq!(common::job(&pool, committed_first).await.state, JobState::Dispatched);
 }
 
@@ -513,7 +521,7 @@ async fn a_long_maintenance_pass_does_not_hold_up_dispatch() {
     wait_dispatched(&pool, due, "the job enqueued while maintenance was held up").await;
     // The row is `dispatched` once the claim commits; its message is sent just after.
     let sent: Vec<JobId> = common::eventually(Duration::from_secs(30), "the message to be sent", || {
-        let sent: Vec<JobId> = scheduler.publisher().take().into_iter().map(|o| o.message.job_id).collect();
+        let sent = sent_ids(&scheduler);
         async move { (!sent.is_empty()).then_some(sent) }
     })
     .await;
@@ -599,8 +607,7 @@ async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     let pool = common::database().await;
     let mut groups = Vec::new();
     for group in ["finished", "cancelled", "dead-lettered", "rescued"] {
-        let job = |n: i64| NewJob { group_key: Some(group.into()), ..NewJob::new("noop", json!({ "n": n })) };
-        groups.push((enqueue_with(&pool, job(1)).await, enqueue_with(&pool, job(2)).await));
+        groups.push((enqueue_with(&pool, group_job(group, 1)).await, enqueue_with(&pool, group_job(group, 2)).await));
     }
     let (stop, running) = spawn_idle_scheduler(&pool);
     for &(head, _) in &groups {
