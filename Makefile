@@ -58,6 +58,32 @@ bench: ## the benchmark suite (BENCH_N=20000): JSON lines on stdout, a table and
 	  wait $$install || exit 1; exit $$built
 	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=$(BENCH_N) $(LOCALSTACK) with cargo bench --locked --bench bench
 
+# The peers of `make bench-peers`: Graphile Worker (Node.js, npm) and PgQueuer (Python, a venv).
+PEERS := benches/peers
+PEERS_VENV := $(CURDIR)/.cache/peers-venv
+PEER_BLOCKS ?= 3
+.PHONY: peers-install
+peers-install:
+	npm ci --prefix $(PEERS)/graphile-worker --no-audit --no-fund --loglevel=error
+	test -x $(PEERS_VENV)/bin/python || python3 -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check -r $(PEERS)/pgqueuer/requirements.txt
+
+.PHONY: bench-peers
+bench-peers: peers-install ## rowq beside Graphile Worker and PgQueuer on this Postgres, in turns (PEER_BLOCKS=3)
+	cargo bench --locked --bench bench --no-run
+	DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=$(BENCH_N) PEER_BLOCKS=$(PEER_BLOCKS) \
+	  PEER_PYTHON=$(PEERS_VENV)/bin/python $(PEERS)/run.sh
+
+.PHONY: bench-peers-smoke
+bench-peers-smoke: peers-install ## the peers' workloads at a tiny size, and the summary of them (CI: it keeps working)
+	set -eo pipefail; runs=$$(mktemp); trap 'rm -f "$$runs"' EXIT; \
+	  export DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=300 BENCH_LATENCY_N=20 BENCH_RATE=200; \
+	  node $(PEERS)/graphile-worker/bench.mjs | tee -a "$$runs"; \
+	  $(PEERS_VENV)/bin/python $(PEERS)/pgqueuer/bench.py | tee -a "$$runs"; \
+	  BENCH_ONLY=sql-floor,drain-memory,latency-floor,latency-memory BENCH_PAIRS=1 \
+	    cargo test --locked --bench bench | tee -a "$$runs"; \
+	  node $(PEERS)/summary.mjs "$$runs"
+
 CHAOS_JOBS ?= 5000
 CHAOS_SECONDS ?= 60
 .PHONY: chaos

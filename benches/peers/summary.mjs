@@ -1,0 +1,58 @@
+// The medians, ranges and run counts of what benches/peers/run.sh collected: rowq's JSON lines
+// (its floors and in-memory pipeline) and each peer's (lines with a "peer" field), as a table on
+// stderr; and the same as one JSON line on stdout. An error if any side has no runs.
+//
+//   node summary.mjs FILE
+import { readFileSync } from "node:fs";
+
+const lines = readFileSync(process.argv[2], "utf8")
+  .split("\n")
+  .filter((line) => line.startsWith("{"))
+  .map((line) => JSON.parse(line));
+const peers = [...new Set(lines.filter((l) => l.peer).map((l) => l.peer))].sort();
+if (peers.length === 0) throw new Error(`${process.argv[2]} holds no peer's runs`);
+
+const floor = (l) => l.workload === "latency-floor";
+const rowqPickup = (l) => l.workload === "latency" && l.transport === "memory";
+const rowqDrain = (l) => l.workload === "drain" && l.transport === "memory";
+const peerPickup = (peer) => (l) => l.peer === peer && l.workload === "latency";
+const peerDrain = (peer, config) => (l) => l.peer === peer && l.config === config;
+
+// (what, which lines, which number of each)
+const rows = [
+  ["pickup p50, ms: latency floor", floor, (l) => l.p50_ms],
+  ["pickup p50, ms: rowq in memory, started_at (its fence)", rowqPickup, (l) => l.p50_ms],
+  ...peers.flatMap((peer) => [
+    [`pickup p50, ms: ${peer}, claimed (its claim's now())`, peerPickup(peer), (l) => l.p50_ms],
+    [`pickup p50, ms: ${peer}, task called`, peerPickup(peer), (l) => l.handler.p50_ms],
+  ]),
+  ["pickup p99, ms: latency floor", floor, (l) => l.p99_ms],
+  ["pickup p99, ms: rowq in memory, started_at (its fence)", rowqPickup, (l) => l.p99_ms],
+  ...peers.flatMap((peer) => [
+    [`pickup p99, ms: ${peer}, claimed (its claim's now())`, peerPickup(peer), (l) => l.p99_ms],
+    [`pickup p99, ms: ${peer}, task called`, peerPickup(peer), (l) => l.handler.p99_ms],
+  ]),
+  ["drain, rows/s: sql-floor", (l) => l.workload === "sql-floor", (l) => l.rows_per_s],
+  ["drain, jobs/s: rowq in memory", rowqDrain, (l) => l.jobs_per_s],
+  ...peers.flatMap((peer) => [
+    [`drain, jobs/s: ${peer}, defaults`, peerDrain(peer, "drain"), (l) => l.jobs_per_s],
+    [`drain, jobs/s: ${peer}, batched`, peerDrain(peer, "drain-batched"), (l) => l.jobs_per_s],
+  ]),
+  ["drain, machine CPU µs/job: rowq in memory", rowqDrain, (l) => l.cpu_us_per_job],
+  ...peers.flatMap((peer) => [
+    [`drain, machine CPU µs/job: ${peer}, defaults`, peerDrain(peer, "drain"), (l) => l.cpu_us_per_job],
+    [`drain, machine CPU µs/job: ${peer}, batched`, peerDrain(peer, "drain-batched"), (l) => l.cpu_us_per_job],
+  ]),
+];
+
+const median = (sorted) => sorted[Math.floor((sorted.length - 1) / 2)];
+const width = Math.max(...rows.map(([what]) => what.length));
+const summary = {};
+for (const [what, test, value] of rows) {
+  const values = lines.filter(test).map(value).sort((a, b) => a - b);
+  if (values.length === 0) throw new Error(`${process.argv[2]} holds no runs for "${what}"`);
+  summary[what] = { median: median(values), min: values[0], max: values[values.length - 1], runs: values.length };
+  const { min, max, runs } = summary[what];
+  console.error(`${what.padEnd(width)}  median ${median(values)}  (${min}–${max}, ${runs} runs)`);
+}
+console.log(JSON.stringify({ workload: "peers-summary", ...summary }));
