@@ -2,9 +2,10 @@
 // way rowq's benchmark measures rowq, on the same Postgres: `make bench-peers` runs it in turns
 // with rowq's floors and pipeline (benches/peers/run.sh). One JSON line per workload on stdout.
 //
-// PEER_ONLY (the workloads: latency, drain, drain-batched), DATABASE_URL (a server whose user may create databases), BENCH_N (drain backlog, 20000),
-// BENCH_LATENCY_N (measured pickups, 1000), BENCH_RATE (inserts per second, 100), BENCH_C
-// (jobs run at once, 8): the same settings, with the same defaults, as rowq's `make bench`.
+// PEER_ONLY (the workloads: latency, drain, drain-batched), DATABASE_URL (a server whose user
+// may create databases), BENCH_N (drain backlog, 20000), BENCH_LATENCY_N (measured pickups,
+// 1000), BENCH_RATE (inserts per second, 100), BENCH_C (jobs run at once, 8): the same settings,
+// with the same defaults, as rowq's `make bench`.
 import { readFileSync } from "node:fs";
 import { cpuUsage } from "node:process";
 import { performance } from "node:perf_hooks";
@@ -34,20 +35,25 @@ function machineSeconds() {
   return (fields.reduce((a, b) => a + b, 0) - fields[3] - fields[4]) / 100;
 }
 
-// A database of its own, with Graphile Worker's schema; `drop` removes it.
-async function database(label) {
+// Runs `f` with a database of its own, holding Graphile Worker's schema, and a client connected
+// to it; drops the database afterwards, whether `f` succeeded or not.
+async function withDatabase(label, f) {
   const name = `rowq_peer_${label}_${process.pid}`;
   await admin((client) => client.query(`CREATE DATABASE ${name}`));
-  const url = new URL(settings.url);
-  url.pathname = `/${name}`;
-  await runMigrations({ connectionString: url.toString(), logger: silent });
-  const client = new pg.Client({ connectionString: url.toString() });
-  await client.connect();
-  const drop = async () => {
-    await client.end();
-    await admin((c) => c.query(`DROP DATABASE IF EXISTS ${name} WITH (FORCE)`));
-  };
-  return { url: url.toString(), client, drop };
+  try {
+    const url = new URL(settings.url);
+    url.pathname = `/${name}`;
+    await runMigrations({ connectionString: url.toString(), logger: silent });
+    const client = new pg.Client({ connectionString: url.toString() });
+    await client.connect();
+    try {
+      return await f({ url: url.toString(), client });
+    } finally {
+      await client.end();
+    }
+  } finally {
+    await admin((client) => client.query(`DROP DATABASE IF EXISTS ${name} WITH (FORCE)`));
+  }
 }
 
 async function admin(f) {
@@ -81,8 +87,7 @@ async function until(done, seconds, what) {
 // created_at): to the claim's now() (`locked_at`, what the floor's started_at is), and to the
 // moment the task function is called (by the wall clock, in microseconds). rowq's started_at
 // is its fence's now(), which comes between the two: after its claim, before its handler.
-async function latency() {
-  const db = await database("latency");
+async function latency(db) {
   // The job row goes when the job completes, and a pg client reads timestamps to the ms, so a
   // trigger keeps each claim's locked_at. It runs inside the claim, after the claim's now().
   await db.client.query(`
@@ -105,7 +110,8 @@ async function latency() {
     taskList: { noop: async (payload) => void called.push(wallMs() - payload.inserted_ms) },
   });
   await sleep(300);
-  const insert = "SELECT graphile_worker.add_job('noop', json_build_object('inserted_ms', extract(epoch FROM now()) * 1000))";
+  const insert =
+    "SELECT graphile_worker.add_job('noop', json_build_object('inserted_ms', extract(epoch FROM now()) * 1000))";
   const total = WARM_UP + settings.latencyN;
   const start = performance.now();
   for (let i = 0; i < total; i++) {
@@ -116,11 +122,13 @@ async function latency() {
   await until(() => called.length >= total, 60, `${total - called.length} of ${total} jobs never ran`);
   await runner.stop();
   const { rows } = await db.client.query(
-    "SELECT extract(epoch FROM locked_at - created_at)::float8 * 1000 AS ms FROM public.claims ORDER BY job_id OFFSET $1",
+    `SELECT extract(epoch FROM locked_at - created_at)::float8 * 1000 AS ms
+     FROM public.claims ORDER BY job_id OFFSET $1`,
     [WARM_UP],
   );
-  await db.drop();
-  if (rows.length !== settings.latencyN) throw new Error(`${PEER}: ${rows.length} claims kept, not ${settings.latencyN}`);
+  if (rows.length !== settings.latencyN) {
+    throw new Error(`${PEER}: ${rows.length} claims kept, not ${settings.latencyN}`);
+  }
   const claimed = percentiles(rows.map((row) => row.ms));
   const handler = percentiles(called.slice(WARM_UP));
   // The task is called after its claim, so a wall clock read off Postgres's shows as a handler
@@ -133,8 +141,7 @@ async function latency() {
 // commit until every job has run and been completed (Graphile Worker deletes a completed job).
 // The workers are running before the clock starts, which favours the peer over rowq's drain,
 // whose clock starts before its pipeline does.
-async function drain(config, preset) {
-  const db = await database(config.replace("-", "_"));
+async function drain(db, config, preset) {
   let ran = 0;
   const runner = await run({
     connectionString: db.url,
@@ -153,7 +160,8 @@ async function drain(config, preset) {
   );
   const [start, machine, own] = [performance.now(), machineSeconds(), cpuUsage()];
   await until(() => ran >= settings.n, 600, `${settings.n - ran} of ${settings.n} jobs never ran`);
-  const left = async () => (await db.client.query("SELECT count(*)::int AS n FROM graphile_worker._private_jobs")).rows[0].n;
+  const count = "SELECT count(*)::int AS n FROM graphile_worker._private_jobs";
+  const left = async () => (await db.client.query(count)).rows[0].n;
   await until(async () => (await left()) === 0, 60, "jobs ran but were never completed");
   const seconds = (performance.now() - start) / 1000;
   const perJob = (cpuSeconds) => Math.round((cpuSeconds * 1e6) / settings.n);
@@ -161,7 +169,6 @@ async function drain(config, preset) {
   const used = cpuUsage(own);
   const clientCpu = perJob((used.user + used.system) / 1e6);
   await runner.stop();
-  await db.drop();
   return { workload: "drain", peer: PEER, config, jobs: settings.n,
     jobs_per_s: Math.round(settings.n / seconds), cpu_us_per_job: cpu, client_cpu_us_per_job: clientCpu };
 }
@@ -172,8 +179,12 @@ async function drain(config, preset) {
 // written runs those jobs again after the lock times out (4 hours).
 const BATCHED = { worker: { localQueue: { size: 500 }, completeJobBatchDelay: 0, failJobBatchDelay: 0 } };
 
-const workloads = { latency, drain: () => drain("drain"), "drain-batched": () => drain("drain-batched", BATCHED) };
+const workloads = {
+  latency,
+  drain: (db) => drain(db, "drain"),
+  "drain-batched": (db) => drain(db, "drain-batched", BATCHED),
+};
 for (const name of settings.only) {
   if (!workloads[name]) throw new Error(`PEER_ONLY: no workload "${name}" (${Object.keys(workloads).join(", ")})`);
-  console.log(JSON.stringify(await workloads[name]()));
+  console.log(JSON.stringify(await withDatabase(name.replace("-", "_"), workloads[name])));
 }
