@@ -38,7 +38,7 @@ function machineSeconds() {
 // Runs `f` with a database of its own, holding Graphile Worker's schema, and a client connected
 // to it; drops the database afterwards, whether `f` succeeded or not.
 async function withDatabase(label, f) {
-  const name = `rowq_peer_${label}_${process.pid}`;
+  const name = `rowq_peer_graphile_${label}_${process.pid}`;
   await admin((client) => client.query(`CREATE DATABASE ${name}`));
   try {
     const url = new URL(settings.url);

@@ -46,9 +46,13 @@ class Database:
             await admin.execute(f"CREATE DATABASE {self.name}")
         finally:
             await admin.close()
-        self.client = await asyncpg.connect(self.url)
-        self.queries = Queries(AsyncpgDriver(self.client))
-        await self.queries.install()
+        try:
+            self.client = await asyncpg.connect(self.url)
+            self.queries = Queries(AsyncpgDriver(self.client))
+            await self.queries.install()
+        except BaseException:
+            await self._drop()
+            raise
         return self
 
     async def worker(self) -> QueueManager:
@@ -57,6 +61,9 @@ class Database:
 
     async def __aexit__(self, *_) -> None:
         await self.client.close()
+        await self._drop()
+
+    async def _drop(self) -> None:
         admin = await asyncpg.connect(URL)
         try:
             await admin.execute(f"DROP DATABASE IF EXISTS {self.name} WITH (FORCE)")
