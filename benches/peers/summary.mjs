@@ -18,31 +18,29 @@ const rowqDrain = (l) => l.workload === "drain" && l.transport === "memory";
 const peerPickup = (peer) => (l) => l.peer === peer && l.workload === "latency";
 const peerDrain = (peer, config) => (l) => l.peer === peer && l.config === config;
 
-// (what, which lines, which number of each)
+// (what, which lines, which number of each): the pickup's p50 and p99 (`q`), each side's; the
+// drain's rate and CPU per job (`key`, `unit`), rowq's and each peer's with its two settings.
+const pickup = (q) => [
+  [`pickup ${q}, ms: latency floor`, floor, (l) => l[`${q}_ms`]],
+  [`pickup ${q}, ms: rowq in memory, started_at (its fence)`, rowqPickup, (l) => l[`${q}_ms`]],
+  ...peers.flatMap((peer) => [
+    [`pickup ${q}, ms: ${peer}, claimed (its claim's now())`, peerPickup(peer), (l) => l[`${q}_ms`]],
+    [`pickup ${q}, ms: ${peer}, task called`, peerPickup(peer), (l) => l.handler[`${q}_ms`]],
+  ]),
+];
+const drain = (unit, key) => [
+  [`drain, ${unit}: rowq in memory`, rowqDrain, (l) => l[key]],
+  ...peers.flatMap((peer) => [
+    [`drain, ${unit}: ${peer}, defaults`, peerDrain(peer, "drain"), (l) => l[key]],
+    [`drain, ${unit}: ${peer}, batched`, peerDrain(peer, "drain-batched"), (l) => l[key]],
+  ]),
+];
 const rows = [
-  ["pickup p50, ms: latency floor", floor, (l) => l.p50_ms],
-  ["pickup p50, ms: rowq in memory, started_at (its fence)", rowqPickup, (l) => l.p50_ms],
-  ...peers.flatMap((peer) => [
-    [`pickup p50, ms: ${peer}, claimed (its claim's now())`, peerPickup(peer), (l) => l.p50_ms],
-    [`pickup p50, ms: ${peer}, task called`, peerPickup(peer), (l) => l.handler.p50_ms],
-  ]),
-  ["pickup p99, ms: latency floor", floor, (l) => l.p99_ms],
-  ["pickup p99, ms: rowq in memory, started_at (its fence)", rowqPickup, (l) => l.p99_ms],
-  ...peers.flatMap((peer) => [
-    [`pickup p99, ms: ${peer}, claimed (its claim's now())`, peerPickup(peer), (l) => l.p99_ms],
-    [`pickup p99, ms: ${peer}, task called`, peerPickup(peer), (l) => l.handler.p99_ms],
-  ]),
+  ...pickup("p50"),
+  ...pickup("p99"),
   ["drain, rows/s: sql-floor", (l) => l.workload === "sql-floor", (l) => l.rows_per_s],
-  ["drain, jobs/s: rowq in memory", rowqDrain, (l) => l.jobs_per_s],
-  ...peers.flatMap((peer) => [
-    [`drain, jobs/s: ${peer}, defaults`, peerDrain(peer, "drain"), (l) => l.jobs_per_s],
-    [`drain, jobs/s: ${peer}, batched`, peerDrain(peer, "drain-batched"), (l) => l.jobs_per_s],
-  ]),
-  ["drain, machine CPU µs/job: rowq in memory", rowqDrain, (l) => l.cpu_us_per_job],
-  ...peers.flatMap((peer) => [
-    [`drain, machine CPU µs/job: ${peer}, defaults`, peerDrain(peer, "drain"), (l) => l.cpu_us_per_job],
-    [`drain, machine CPU µs/job: ${peer}, batched`, peerDrain(peer, "drain-batched"), (l) => l.cpu_us_per_job],
-  ]),
+  ...drain("jobs/s", "jobs_per_s"),
+  ...drain("machine CPU µs/job", "cpu_us_per_job"),
 ];
 
 const median = (sorted) => sorted[Math.floor((sorted.length - 1) / 2)];
