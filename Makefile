@@ -82,7 +82,7 @@ bench-peers-smoke: peers-install ## the peers' workloads at a tiny size, and the
 	  $(PEERS_VENV)/bin/python $(PEERS)/pgqueuer/bench.py | tee -a "$$runs"; \
 	  BENCH_ONLY=sql-floor,drain-memory,latency-floor,latency-memory BENCH_PAIRS=1 \
 	    cargo test --locked --bench bench | tee -a "$$runs"; \
-	  node $(PEERS)/summary.mjs "$$runs"
+	  node $(PEERS)/summary.mjs "$$runs" graphile-worker pgqueuer
 
 CHAOS_JOBS ?= 5000
 CHAOS_SECONDS ?= 60

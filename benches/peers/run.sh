@@ -21,4 +21,4 @@ for block in $(seq "${PEER_BLOCKS:-3}"); do
   echo "== block $block: pgqueuer ($(date +%T))" >&2
   "${PEER_PYTHON:-python3}" "$here/pgqueuer/bench.py" | tee -a "$runs"
 done
-node "$here/summary.mjs" "$runs"
+node "$here/summary.mjs" "$runs" graphile-worker pgqueuer

@@ -2,14 +2,16 @@
 // (its floors and in-memory pipeline) and each peer's (lines with a "peer" field), as a table on
 // stderr; and the same as one JSON line on stdout. An error if any side has no runs.
 //
-//   node summary.mjs FILE
+//   node summary.mjs FILE [PEER...]
 import { readFileSync } from "node:fs";
 
 const lines = readFileSync(process.argv[2], "utf8")
   .split("\n")
   .filter((line) => line.startsWith("{"))
   .map((line) => JSON.parse(line));
-const peers = [...new Set(lines.filter((l) => l.peer).map((l) => l.peer))].sort();
+// The peers named after FILE, each of which must have runs; or every peer FILE holds.
+const named = process.argv.slice(3);
+const peers = named.length > 0 ? named : [...new Set(lines.filter((l) => l.peer).map((l) => l.peer))].sort();
 if (peers.length === 0) throw new Error(`${process.argv[2]} holds no peer's runs`);
 
 const floor = (l) => l.workload === "latency-floor";
