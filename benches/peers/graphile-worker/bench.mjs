@@ -35,19 +35,27 @@ function machineSeconds() {
   return (fields.reduce((a, b) => a + b, 0) - fields[3] - fields[4]) / 100;
 }
 
-// Runs `f` with a database of its own, holding Graphile Worker's schema, and a client connected
-// to it; drops the database afterwards, whether `f` succeeded or not.
+// Runs `f` with a database of its own, holding Graphile Worker's schema: `f` gets a client and
+// the pool Graphile Worker is to use. Drops the database afterwards, whether `f` succeeded or not.
 async function withDatabase(label, f) {
   const name = `rowq_peer_graphile_${label}_${process.pid}`;
   await admin((client) => client.query(`CREATE DATABASE ${name}`));
   try {
     const url = new URL(settings.url);
     url.pathname = `/${name}`;
-    await runMigrations({ connectionString: url.toString(), logger: silent });
+    // Graphile Worker's own pool would outlive its runner's stop() by a moment, and the drop
+    // would then terminate an idle connection that nothing listens to errors on. This one is
+    // ended before the drop; after a failure, the drop may terminate its connections.
+    const pool = new pg.Pool({ connectionString: url.toString(), max: settings.c + 2 });
+    pool.on("error", () => {});
+    pool.on("connect", (client) => client.on("error", () => {}));
+    await runMigrations({ pgPool: pool, logger: silent });
     const client = new pg.Client({ connectionString: url.toString() });
     await client.connect();
     try {
-      return await f({ url: url.toString(), client });
+      const result = await f({ pool, client });
+      await pool.end();
+      return result;
     } finally {
       await client.end();
     }
@@ -103,7 +111,7 @@ async function latency(db) {
   `);
   const called = [];
   const runner = await run({
-    connectionString: db.url,
+    pgPool: db.pool,
     concurrency: settings.c,
     noHandleSignals: true,
     logger: silent,
@@ -144,7 +152,7 @@ async function latency(db) {
 async function drain(db, config, preset) {
   let ran = 0;
   const runner = await run({
-    connectionString: db.url,
+    pgPool: db.pool,
     concurrency: settings.c,
     noHandleSignals: true,
     logger: silent,

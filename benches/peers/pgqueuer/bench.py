@@ -39,6 +39,7 @@ class Database:
         self.name = f"rowq_peer_pgqueuer_{label}_{os.getpid()}"
         parts = urlsplit(URL)
         self.url = urlunsplit(parts._replace(path=f"/{self.name}"))
+        self.connections: list[asyncpg.Connection] = []
 
     async def __aenter__(self) -> "Database":
         admin = await asyncpg.connect(URL)
@@ -56,10 +57,14 @@ class Database:
         return self
 
     async def worker(self) -> QueueManager:
-        """A queue manager on a connection of its own."""
-        return QueueManager(Queries(AsyncpgDriver(await asyncpg.connect(self.url))))
+        """A queue manager on a connection of its own, closed on exit."""
+        connection = await asyncpg.connect(self.url)
+        self.connections.append(connection)
+        return QueueManager(Queries(AsyncpgDriver(connection)))
 
     async def __aexit__(self, *_) -> None:
+        for connection in self.connections:
+            await connection.close()
         await self.client.close()
         await self._drop()
 
