@@ -76,13 +76,8 @@ bench-peers: peers-install ## rowq beside Graphile Worker and PgQueuer on this P
 
 .PHONY: bench-peers-smoke
 bench-peers-smoke: peers-install ## the peers' workloads at a tiny size, and the summary of them (CI: it keeps working)
-	set -eo pipefail; runs=$$(mktemp); trap 'rm -f "$$runs"' EXIT; \
-	  export DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=300 BENCH_LATENCY_N=20 BENCH_RATE=200; \
-	  node $(PEERS)/graphile-worker/bench.mjs | tee -a "$$runs"; \
-	  $(PEERS_VENV)/bin/python $(PEERS)/pgqueuer/bench.py | tee -a "$$runs"; \
-	  BENCH_ONLY=sql-floor,drain-memory,latency-floor,latency-memory BENCH_PAIRS=1 \
-	    cargo test --locked --bench bench | tee -a "$$runs"; \
-	  node $(PEERS)/summary.mjs "$$runs" graphile-worker pgqueuer
+	DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=300 BENCH_LATENCY_N=20 BENCH_RATE=200 BENCH_PAIRS=1 \
+	  PEER_BLOCKS=1 PEER_CARGO=test PEER_PYTHON=$(PEERS_VENV)/bin/python $(PEERS)/run.sh
 
 CHAOS_JOBS ?= 5000
 CHAOS_SECONDS ?= 60

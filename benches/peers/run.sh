@@ -6,7 +6,8 @@
 # next, so only runs close in time compare. `make bench-peers` installs the peers and builds the
 # benchmark first.
 #
-# PEER_BLOCKS (3); PEER_PYTHON (PgQueuer's interpreter); rowq's bench settings (BENCH_N,
+# PEER_BLOCKS (3); PEER_PYTHON (PgQueuer's interpreter); PEER_CARGO (bench; `test` runs rowq's
+# side unoptimised, as bench-smoke does); rowq's bench settings (BENCH_N,
 # BENCH_LATENCY_N, ...), which the peers read too.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,7 +16,7 @@ trap 'rm -f "$runs"' EXIT
 for block in $(seq "${PEER_BLOCKS:-3}"); do
   echo "== block $block: rowq ($(date +%T))" >&2
   BENCH_ONLY=sql-floor,drain-memory,latency-floor,latency-memory \
-    cargo bench --locked --bench bench 2>/dev/null | tee -a "$runs"
+    cargo "${PEER_CARGO:-bench}" --locked --bench bench | tee -a "$runs"
   echo "== block $block: graphile-worker ($(date +%T))" >&2
   node "$here/graphile-worker/bench.mjs" | tee -a "$runs"
   echo "== block $block: pgqueuer ($(date +%T))" >&2
