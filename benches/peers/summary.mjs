@@ -49,7 +49,10 @@ const median = (sorted) => sorted[Math.floor((sorted.length - 1) / 2)];
 const width = Math.max(...rows.map(([what]) => what.length));
 const summary = {};
 for (const [what, test, value] of rows) {
-  const values = lines.filter(test).map(value).sort((a, b) => a - b);
+  const values = lines
+    .filter(test)
+    .map(value)
+    .sort((a, b) => a - b);
   if (values.length === 0) throw new Error(`${process.argv[2]} holds no runs for "${what}"`);
   summary[what] = { median: median(values), min: values[0], max: values[values.length - 1], runs: values.length };
   const { min, max, runs } = summary[what];

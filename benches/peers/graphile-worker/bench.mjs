@@ -177,8 +177,15 @@ async function drain(db, config, preset) {
   const used = cpuUsage(own);
   const clientCpu = perJob((used.user + used.system) / 1e6);
   await runner.stop();
-  return { workload: "drain", peer: PEER, config, jobs: settings.n,
-    jobs_per_s: Math.round(settings.n / seconds), cpu_us_per_job: cpu, client_cpu_us_per_job: clientCpu };
+  return {
+    workload: "drain",
+    peer: PEER,
+    config,
+    jobs: settings.n,
+    jobs_per_s: Math.round(settings.n / seconds),
+    cpu_us_per_job: cpu,
+    client_cpu_us_per_job: clientCpu,
+  };
 }
 
 // Graphile Worker's documented batching (https://worker.graphile.org/docs/performance): the pool
