@@ -23,6 +23,7 @@ pub const DEFAULT_BUSY_POLL_MS: u64 = 50;
 pub const DEFAULT_DISPATCH_LEASE_SECS: u64 = 300;
 pub const DEFAULT_MAINTENANCE_INTERVAL_SECS: u64 = 5;
 pub const DEFAULT_RETENTION_HOURS: u64 = 24 * 7;
+pub const DEFAULT_CLEANUP_WARN_SECS: u64 = 300;
 pub const DEFAULT_SCHEDULER_POOL_SIZE: u32 = 4;
 pub const DEFAULT_WORKER_POOL_SIZE: u32 = 2;
 pub const DEFAULT_JOB_TIMEOUT_SECS: u64 = 60;
@@ -215,6 +216,9 @@ pub struct SchedulerConfig {
     pub retention: Duration,
     /// Run for at most this long, then exit (scheduled-Lambda mode); `None` runs until stopped.
     pub drain_for: Option<Duration>,
+    /// Warn (every this long) while a transaction open for this long holds back the cleanup of
+    /// the rows' old versions, which slows every claim; `None` never checks.
+    pub cleanup_warn_after: Option<Duration>,
 }
 
 impl SchedulerConfig {
@@ -232,6 +236,7 @@ impl SchedulerConfig {
             });
         }
         let drain_secs: u64 = env.number("ROWQ_DRAIN_SECS", 0, 0..=MAX_FUNCTION_TIMEOUT_SECS * 100)?;
+        let cleanup_warn_secs: u64 = env.number("ROWQ_CLEANUP_WARN_SECS", DEFAULT_CLEANUP_WARN_SECS, 0..=7 * 86_400)?;
         Ok(SchedulerConfig {
             database: DatabaseConfig::from(env, DEFAULT_SCHEDULER_POOL_SIZE)?,
             queue_url: queue_url(env, "ROWQ_QUEUE_URL")?,
@@ -251,6 +256,7 @@ impl SchedulerConfig {
                 env.number("ROWQ_RETENTION_HOURS", DEFAULT_RETENTION_HOURS, 0..=24 * 3650)? * 3600,
             ),
             drain_for: (drain_secs > 0).then(|| Duration::from_secs(drain_secs)),
+            cleanup_warn_after: (cleanup_warn_secs > 0).then(|| Duration::from_secs(cleanup_warn_secs)),
         })
     }
 }
@@ -370,6 +376,7 @@ mod tests {
         assert_eq!(config.max_in_flight, DEFAULT_MAX_IN_FLIGHT);
         assert_eq!(config.poll_interval, Duration::from_millis(DEFAULT_POLL_INTERVAL_MS));
         assert_eq!(config.drain_for, None);
+        assert_eq!(config.cleanup_warn_after, Some(Duration::from_secs(DEFAULT_CLEANUP_WARN_SECS)));
         assert_eq!(config.retention, Duration::from_secs(DEFAULT_RETENTION_HOURS * 3600));
     }
 
@@ -403,6 +410,15 @@ mod tests {
         assert_eq!(config.database.secret_arn.as_deref(), Some(arn));
         let error = scheduler(&[("ROWQ_DATABASE_SECRET_ARN", "rowq-db"), QUEUE]).unwrap_err();
         assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_DATABASE_SECRET_ARN", .. }));
+    }
+
+    #[test]
+    fn the_cleanup_check_is_off_at_zero_and_on_otherwise() {
+        assert_eq!(scheduler(&[DB, QUEUE, ("ROWQ_CLEANUP_WARN_SECS", "0")]).unwrap().cleanup_warn_after, None);
+        assert_eq!(
+            scheduler(&[DB, QUEUE, ("ROWQ_CLEANUP_WARN_SECS", "60")]).unwrap().cleanup_warn_after,
+            Some(Duration::from_secs(60))
+        );
     }
 
     #[test]

@@ -76,11 +76,13 @@ pub struct Scheduler<P> {
     pool: PgPool,
     publisher: P,
     config: SchedulerConfig,
+    /// When the last warning that the cleanup is held back was logged.
+    cleanup_warned_at: std::sync::Mutex<Option<Instant>>,
 }
 
 impl<P: Publisher> Scheduler<P> {
     pub fn new(pool: PgPool, publisher: P, config: SchedulerConfig) -> Self {
-        Scheduler { pool, publisher, config }
+        Scheduler { pool, publisher, config, cleanup_warned_at: std::sync::Mutex::new(None) }
     }
 
     pub fn publisher(&self) -> &P {
@@ -407,8 +409,10 @@ impl<P: Publisher> Scheduler<P> {
         }
     }
 
-    /// One maintenance pass, logged; `true` when it left work for the next.
+    /// One maintenance pass, logged, and the cleanup check; `true` when the pass left work for
+    /// the next.
     async fn maintain(&self) -> bool {
+        self.check_cleanup().await;
         match maintenance::run_once(&self.pool, self.config.retention).await {
             Ok(report) if report.is_empty() => false,
             Ok(report) => {
@@ -418,6 +422,37 @@ impl<P: Publisher> Scheduler<P> {
             Err(error) => {
                 tracing::warn!(error = %error, "maintenance failed; will retry");
                 false
+            }
+        }
+    }
+}
+
+impl<P> Scheduler<P> {
+    /// Warns, at most once per `cleanup_warn_after`, while something open that long holds back
+    /// the cleanup of the rows' old versions ([`store::maintenance::CleanupHolder`]): every
+    /// claim then reads again each row version left since it began, and dispatch slows down as
+    /// jobs run, with nothing else in the scheduler's own logs to say why.
+    async fn check_cleanup(&self) {
+        let Some(after) = self.config.cleanup_warn_after else { return };
+        let due = |warned_at: &Option<Instant>| warned_at.is_none_or(|at| at.elapsed() >= after);
+        if !due(&self.cleanup_warned_at.lock().unwrap_or_else(|poisoned| poisoned.into_inner())) {
+            return;
+        }
+        match store::maintenance::cleanup_holders(&self.pool, after).await {
+            Ok(holders) => {
+                let Some(oldest) = holders.first() else { return };
+                *self.cleanup_warned_at.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Instant::now());
+                tracing::warn!(
+                    holder.pid = oldest.pid,
+                    holder.open_secs = oldest.open_secs,
+                    holder.xid_age = oldest.xid_age,
+                    holders = holders.len(),
+                    "cleanup held back by {oldest}: every claim re-reads the row versions left since, and dispatch \
+                     slows down until it ends (README: \"Long transactions\")"
+                );
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, "could not check what holds back the cleanup of old row versions")
             }
         }
     }

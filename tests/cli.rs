@@ -79,6 +79,7 @@ async fn enqueue_then_status_shows_the_job_succeeded_with_its_result() {
     let stats = json_of(&pool, &["stats"]);
     assert_eq!(stats["counts"][0]["state"], json!("succeeded"));
     assert_eq!(stats["finished_last_minute"], json!(1));
+    assert!(stats["cleanup_held_by"].is_array(), "{stats}");
 }
 
 #[tokio::test]

@@ -1035,3 +1035,117 @@ async fn the_scheduler_sessions_plan_no_sequential_scan_of_the_table() {
     let setting: String = sqlx::query_scalar("SHOW enable_seqscan").fetch_one(&mut listener).await.unwrap();
     assert_eq!(setting, "off", "the listener's connection, where the claim runs, lacks the setting");
 }
+
+/// A connection to `url` named `name` (its `application_name`) with a transaction open that
+/// has a transaction id, as a session that wrote something and went idle holds one; and its
+/// process id.
+async fn open_transaction(url: &str, name: &str) -> (sqlx::PgConnection, i32) {
+    use sqlx::{ConnectOptions, Executor};
+    let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let mut connection = options.application_name(name).connect().await.unwrap();
+    connection.execute("BEGIN").await.unwrap();
+    let (pid, _xid): (i32, i64) =
+        sqlx::query_as("SELECT pg_backend_pid(), txid_current()").fetch_one(&mut connection).await.unwrap();
+    (connection, pid)
+}
+
+async fn holder_pids(pool: &PgPool, open_for: Duration) -> Vec<Option<i32>> {
+    let holders = rowq::store::maintenance::cleanup_holders(pool, open_for).await.unwrap();
+    holders.iter().map(|holder| holder.pid).collect()
+}
+
+/// What `rowq stats` and the scheduler name when claims slow down: a transaction left open
+/// anywhere in the cluster once it has a transaction id, one of this database as soon as it
+/// has a snapshot, and neither once it ends.
+#[tokio::test]
+async fn a_transaction_left_open_is_named_as_holding_back_the_cleanup() {
+    let pool = common::database().await;
+    let name = format!("rowq-test-holder-{}", std::process::id());
+    let (mut here, here_pid) = open_transaction(&common::url_of(&pool), &name).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+
+    let holders = rowq::store::maintenance::cleanup_holders(&pool, Duration::from_secs(1)).await.unwrap();
+    let holder = holders.iter().find(|holder| holder.pid == Some(here_pid)).expect("the open transaction is named");
+    assert_eq!(holder.kind, "session");
+    assert_eq!(holder.name.as_deref(), Some(name.as_str()));
+    assert_eq!(holder.state.as_deref(), Some("idle in transaction"));
+    assert!(holder.open_secs.is_some_and(|secs| secs >= 1.0), "{holder:?}");
+    assert!(holder.to_string().starts_with(&format!("session {here_pid} (\"{name}\"")), "{holder}");
+    assert!(
+        !holder_pids(&pool, Duration::from_secs(60)).await.contains(&Some(here_pid)),
+        "named before it was open for the time asked"
+    );
+    sqlx::query("COMMIT").execute(&mut here).await.unwrap();
+    assert!(!holder_pids(&pool, Duration::ZERO).await.contains(&Some(here_pid)), "named after it ended");
+
+    // Another database's session holds this one back only once it has a transaction id.
+    let elsewhere = common::database_url("postgres");
+    use sqlx::{ConnectOptions, Executor};
+    let options: sqlx::postgres::PgConnectOptions = elsewhere.parse().unwrap();
+    let mut reader = options.connect().await.unwrap();
+    reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ").await.unwrap();
+    let reader_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut reader).await.unwrap();
+    assert!(
+        !holder_pids(&pool, Duration::ZERO).await.contains(&Some(reader_pid)),
+        "another database's snapshot does not hold this one's cleanup back"
+    );
+    sqlx::query("SELECT txid_current()").execute(&mut reader).await.unwrap();
+    assert!(holder_pids(&pool, Duration::ZERO).await.contains(&Some(reader_pid)));
+    sqlx::query("ROLLBACK").execute(&mut reader).await.unwrap();
+}
+
+/// Everything `tracing` writes while it is the thread's subscriber, as text.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// Claims slow down while the cleanup is held back, and nothing else in the scheduler's logs
+/// says why: its maintenance names the transaction, once per `cleanup_warn_after`.
+#[tokio::test]
+async fn the_scheduler_warns_of_a_transaction_holding_back_the_cleanup() {
+    let pool = common::database().await;
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let captured = captured.clone();
+            move || captured.clone()
+        })
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let (mut holder, pid) = open_transaction(&common::url_of(&pool), "rowq-test-scheduler-holder").await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.cleanup_warn_after = Some(Duration::from_secs(1));
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    for _ in 0..2 {
+        let (_keep, shutdown) = watch::channel(false);
+        scheduler.run(shutdown, true).await;
+    }
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let logged = captured.text();
+    let warning = "cleanup held back by session";
+    assert_eq!(logged.matches(warning).count(), 1, "one warning per cleanup_warn_after: {logged}");
+    // It names the oldest holder: this one, or another test's open as long (they run at once).
+    let line = logged.lines().find(|line| line.contains(warning)).unwrap_or_default();
+    assert!(line.contains(", open for ") && line.contains("transactions behind"), "{line}");
+    assert!(line.contains(&format!("holder.pid={pid}")) || line.contains("rowq-test-holder-"), "{line}");
+}

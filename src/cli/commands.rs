@@ -234,6 +234,12 @@ async fn stats(pool: &PgPool, json: bool) -> anyhow::Result<()> {
         stats.finished_last_minute,
         stats.finished_last_minute as f64 / 60.0
     );
+    for holder in &stats.cleanup_held_by {
+        println!(
+            "cleanup held back by {holder}: finished jobs' row versions stay until it ends, and claims slow down \
+             (README: \"Long transactions\")"
+        );
+    }
     Ok(())
 }
 

@@ -1,9 +1,12 @@
 //! Operator transitions and reads: enqueue, get, list, cancel, retry, stats.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::{PgExecutor, PgPool};
 
+use super::maintenance::{CleanupHolder, cleanup_holders};
 use super::types::from_row;
 use crate::job::{JobId, JobState};
 
@@ -228,7 +231,13 @@ pub struct Stats {
     pub oldest_pending_secs: Option<f64>,
     /// Jobs that reached a terminal state in the last minute.
     pub finished_last_minute: i64,
+    /// What has held the cleanup of finished jobs' row versions back for a minute or more
+    /// ([`STATS_CLEANUP_HELD_FOR`]), oldest first: while it lasts, claims slow down.
+    pub cleanup_held_by: Vec<CleanupHolder>,
 }
+
+/// [`Stats::cleanup_held_by`] lists what has held the cleanup back for at least this long.
+pub const STATS_CLEANUP_HELD_FOR: Duration = Duration::from_secs(60);
 
 pub async fn stats(pool: &PgPool) -> Result<Stats, sqlx::Error> {
     let counts = sqlx::query_as(
@@ -247,5 +256,6 @@ pub async fn stats(pool: &PgPool) -> Result<Stats, sqlx::Error> {
     )
     .fetch_one(pool)
     .await?;
-    Ok(Stats { counts, oldest_pending_secs, finished_last_minute })
+    let cleanup_held_by = cleanup_holders(pool, STATS_CLEANUP_HELD_FOR).await?;
+    Ok(Stats { counts, oldest_pending_secs, finished_last_minute, cleanup_held_by })
 }

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use serde::Serialize;
+use sqlx::{PgExecutor, PgPool};
 
 use super::millis;
 use super::types::from_row;
@@ -115,4 +116,176 @@ pub async fn prune_finished(pool: &PgPool, retention: Duration) -> Result<u64, s
     .execute(pool)
     .await?;
     Ok(result.rows_affected())
+}
+
+/// Something that keeps Postgres from removing dead row versions: an open transaction, a
+/// prepared one, or a replication slot (a standby's `hot_standby_feedback`).
+///
+/// Every claim, fence and finish leaves the row's previous version behind, and that version's
+/// entry in the partial index of the state it left (`jobs_claim_idx`, `jobs_dispatched_idx`).
+/// Postgres removes them, and marks their index entries dead so that scans skip them, only once
+/// no snapshot can still see them. While one of these holds the cleanup back, every claim reads
+/// again each version left since it began: its in-flight count visits every row dispatched since,
+/// its scan every row claimed since, so claims slow down as the jobs run (BENCHMARKS.md, round
+/// 35). The transaction does not have to be rowq's, nor in rowq's database: one that wrote
+/// anything, anywhere in the cluster, holds every database back.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CleanupHolder {
+    /// `session`, `prepared transaction` or `replication slot`.
+    pub kind: String,
+    /// The session's process id (for `pg_terminate_backend`), or the slot's walsender.
+    pub pid: Option<i32>,
+    pub database: Option<String>,
+    pub user: Option<String>,
+    /// The session's `application_name`, the prepared transaction's gid, or the slot's name.
+    pub name: Option<String>,
+    /// `idle in transaction`, `active`, ...; `prepared`; a slot's `active` or `inactive`.
+    pub state: Option<String>,
+    /// How long its transaction has been open, where Postgres knows it (not for a slot).
+    pub open_secs: Option<f64>,
+    /// How many transactions the cluster has begun since the oldest one it holds back.
+    pub xid_age: i32,
+    /// The session's current or last statement, cut to 200 characters.
+    pub query: Option<String>,
+}
+
+from_row!(CleanupHolder { kind, pid, database, user, name, state, open_secs, xid_age, query });
+
+/// `session 4242 ("psql", user alice, database app, idle in transaction), open for 7 min 12 s,
+/// 12345 transactions behind; last statement: "..."`: what an operator needs to find it.
+impl std::fmt::Display for CleanupHolder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.kind)?;
+        if let Some(pid) = self.pid {
+            write!(f, " {pid}")?;
+        }
+        let details: Vec<String> = [
+            self.name.as_ref().map(|name| format!("{name:?}")),
+            self.user.as_ref().map(|user| format!("user {user}")),
+            self.database.as_ref().map(|database| format!("database {database}")),
+            self.state.clone(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !details.is_empty() {
+            write!(f, " ({})", details.join(", "))?;
+        }
+        if let Some(secs) = self.open_secs {
+            write!(f, ", open for {}", span(secs))?;
+        }
+        write!(f, ", {} transactions behind", self.xid_age)?;
+        if let Some(query) = self.query.as_deref().filter(|query| !query.is_empty()) {
+            write!(f, "; last statement: {query:?}")?;
+        }
+        Ok(())
+    }
+}
+
+/// `45 s`, `7 min 12 s`, `3 h 20 min`.
+fn span(secs: f64) -> String {
+    let secs = secs.max(0.0).round() as u64;
+    match secs {
+        0..60 => format!("{secs} s"),
+        60..3600 => format!("{} min {} s", secs / 60, secs % 60),
+        _ => format!("{} h {} min", secs / 3600, secs % 3600 / 60),
+    }
+}
+
+/// A holder whose time Postgres does not show (a replication slot, a walsender, another role's
+/// session to a role without `pg_read_all_stats`) is reported by [`cleanup_holders`] once the
+/// cluster has begun this many transactions since its horizon.
+pub const UNTIMED_HOLDER_XID_AGE: i32 = 10_000;
+
+/// What holds the cleanup of `rowq.jobs` back: sessions and prepared transactions open for at
+/// least `open_for`, and replication slots more than [`UNTIMED_HOLDER_XID_AGE`] transactions
+/// behind; the five oldest, oldest first. A session of another database counts only once it
+/// has a transaction id (it wrote something): before that its snapshot holds back only its own
+/// database. Autovacuum's workers are left out; Postgres ignores their snapshots for this.
+///
+/// A role without the privileges of `pg_read_all_stats` (`pg_monitor` includes them) sees that
+/// another role's session holds a transaction, but not since when, its state nor its statement:
+/// such a session is reported as a slot is, by its transactions behind.
+pub async fn cleanup_holders(
+    executor: impl PgExecutor<'_>,
+    open_for: Duration,
+) -> Result<Vec<CleanupHolder>, sqlx::Error> {
+    sqlx::query_as(
+        r#"
+        WITH holders AS (
+            SELECT 'session' AS kind, a.pid, a.datname::text AS database, a.usename::text AS "user",
+                   nullif(a.application_name, '') AS name, a.state,
+                   extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS open_secs,
+                   CASE WHEN a.datname <> current_database() THEN age(a.backend_xid)
+                        ELSE greatest(age(a.backend_xid), age(a.backend_xmin)) END AS xid_age,
+                   left(a.query, 200) AS query
+            FROM pg_stat_activity a
+            WHERE a.pid <> pg_backend_pid()
+              AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+              AND (a.backend_xid IS NOT NULL
+                   OR (a.backend_xmin IS NOT NULL AND (a.datname IS NULL OR a.datname = current_database())))
+            UNION ALL
+            SELECT 'prepared transaction', NULL, p.database::text, p.owner::text, p.gid, 'prepared',
+                   extract(epoch FROM clock_timestamp() - p.prepared)::float8, age(p.transaction), NULL
+            FROM pg_prepared_xacts p
+            UNION ALL
+            SELECT 'replication slot', s.active_pid, s.database::text, NULL, s.slot_name::text,
+                   CASE WHEN s.active THEN 'active' ELSE 'inactive' END, NULL, age(s.xmin), NULL
+            FROM pg_replication_slots s
+            WHERE s.xmin IS NOT NULL
+        )
+        SELECT * FROM holders
+        WHERE open_secs >= $1 OR (open_secs IS NULL AND xid_age >= $2)
+        ORDER BY xid_age DESC, open_secs DESC NULLS LAST
+        LIMIT 5
+        "#,
+    )
+    .bind(open_for.as_secs_f64())
+    .bind(UNTIMED_HOLDER_XID_AGE)
+    .fetch_all(executor)
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_holder_reads_as_what_an_operator_needs_to_find_it() {
+        let holder = CleanupHolder {
+            kind: "session".into(),
+            pid: Some(4242),
+            database: Some("app".into()),
+            user: Some("alice".into()),
+            name: Some("psql".into()),
+            state: Some("idle in transaction".into()),
+            open_secs: Some(432.4),
+            xid_age: 12345,
+            query: Some("SELECT 1".into()),
+        };
+        assert_eq!(
+            holder.to_string(),
+            r#"session 4242 ("psql", user alice, database app, idle in transaction), open for 7 min 12 s, 12345 transactions behind; last statement: "SELECT 1""#
+        );
+        let slot = CleanupHolder {
+            kind: "replication slot".into(),
+            pid: None,
+            database: None,
+            user: None,
+            name: Some("standby_1".into()),
+            state: Some("inactive".into()),
+            open_secs: None,
+            xid_age: 20000,
+            query: None,
+        };
+        assert_eq!(slot.to_string(), r#"replication slot ("standby_1", inactive), 20000 transactions behind"#);
+    }
+
+    #[test]
+    fn spans_read_in_the_largest_units_that_fit() {
+        assert_eq!(span(44.6), "45 s");
+        assert_eq!(span(60.0), "1 min 0 s");
+        assert_eq!(span(12_000.0), "3 h 20 min");
+        assert_eq!(span(-1.0), "0 s");
+    }
 }

@@ -167,6 +167,7 @@ pub fn scheduler_config(queue_url: &str) -> SchedulerConfig {
         maintenance_interval: Duration::from_secs(1),
         retention: Duration::ZERO,
         drain_for: None,
+        cleanup_warn_after: None,
     }
 }
 
