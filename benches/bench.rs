@@ -429,6 +429,7 @@ fn scheduler_config(settings: &Settings, url: &str, queue_url: &str) -> rowq::co
     let mut config = common::scheduler_config(queue_url);
     config.database.url = url.to_string();
     config.max_in_flight = 1000;
+    config.claim_batch = rowq::config::DEFAULT_CLAIM_BATCH;
     config.poll_interval = Duration::from_millis(500);
     config.busy_poll = Duration::from_millis(2);
     config.maintenance_interval = Duration::from_secs(60);

@@ -15,7 +15,7 @@ pub enum ConfigError {
 }
 
 pub const DEFAULT_QUEUE: &str = "default";
-pub const DEFAULT_CLAIM_BATCH: u32 = 100;
+pub const DEFAULT_CLAIM_BATCH: u32 = 500;
 pub const DEFAULT_MAX_IN_FLIGHT: u32 = 1000;
 pub const DEFAULT_PUBLISH_CONCURRENCY: usize = 8;
 pub const DEFAULT_POLL_INTERVAL_MS: u64 = 500;
