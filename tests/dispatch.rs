@@ -1094,6 +1094,31 @@ async fn a_transaction_left_open_is_named_as_holding_back_the_cleanup() {
     sqlx::query("ROLLBACK").execute(&mut reader).await.unwrap();
 }
 
+/// A role without `pg_read_all_stats` (a scheduler not granted `pg_monitor`) sees another
+/// role's session without its start, state, statement or backend type: the session is still
+/// named, as an untimed holder.
+#[tokio::test]
+async fn another_roles_transaction_is_named_to_a_role_that_cannot_see_its_details() {
+    use sqlx::{ConnectOptions, Connection};
+    let pool = common::database().await;
+    let role = format!("rowq_test_plain_{}", std::process::id());
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}"))).execute(&pool).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE ROLE {role} LOGIN"))).execute(&pool).await.unwrap();
+    let url = common::url_of(&pool);
+    let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let mut plain = options.username(&role).connect().await.unwrap();
+    let (mut holder, pid) = open_transaction(&url, "rowq-test-hidden-holder").await;
+
+    // Open for an hour: no holder of this test run qualifies by its time, only untimed ones.
+    let holders =
+        rowq::store::maintenance::cleanup_holders_behind(&mut plain, Duration::from_secs(3600), 0).await.unwrap();
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    plain.close().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE {role}"))).execute(&pool).await.unwrap();
+    let seen = holders.iter().find(|holder| holder.pid == Some(pid)).expect("the hidden session is named");
+    assert_eq!((seen.kind.as_str(), seen.open_secs, seen.state.as_deref()), ("session", None, None), "{seen:?}");
+}
+
 /// Everything `tracing` writes while it is the thread's subscriber, as text.
 #[derive(Clone, Default)]
 struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);

@@ -210,6 +210,15 @@ pub async fn cleanup_holders(
     executor: impl PgExecutor<'_>,
     open_for: Duration,
 ) -> Result<Vec<CleanupHolder>, sqlx::Error> {
+    cleanup_holders_behind(executor, open_for, UNTIMED_HOLDER_XID_AGE).await
+}
+
+/// [`cleanup_holders`], with the untimed holders' threshold given (tests use 0).
+pub async fn cleanup_holders_behind(
+    executor: impl PgExecutor<'_>,
+    open_for: Duration,
+    untimed_xid_age: i32,
+) -> Result<Vec<CleanupHolder>, sqlx::Error> {
     sqlx::query_as(
         r#"
         WITH holders AS (
@@ -241,7 +250,7 @@ pub async fn cleanup_holders(
         "#,
     )
     .bind(open_for.as_secs_f64())
-    .bind(UNTIMED_HOLDER_XID_AGE)
+    .bind(untimed_xid_age)
     .fetch_all(executor)
     .await
 }
