@@ -8,7 +8,7 @@
 //! workloads: enqueue, sql-floor, dispatch-memory, drain-memory, drain-memory-results,
 //! latency-floor, latency-memory, raw-localstack, dispatch-localstack, drain-localstack,
 //! latency-localstack; default all), BENCH_HOLD (1: a transaction stays open all run, so no row
-//! version left by any workload can be cleaned up meanwhile: [`hold_cleanup`]).
+//! version left by any workload can be cleaned up meanwhile: `common::open_transaction`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -197,7 +197,11 @@ async fn run() -> Result<(), Error> {
     };
     let _holding = match std::env::var("BENCH_HOLD").as_deref() {
         Ok("1") => {
-            let (connection, xid) = hold_cleanup().await?;
+            // A transaction with a transaction id on a connection of its own (to the server's
+            // `postgres` database) until the run ends: no row version that a claim, a fence or a
+            // finish leaves behind can be removed, nor its index entries marked dead, meanwhile.
+            let (connection, _pid, xid) =
+                common::open_transaction(&common::database_url("postgres"), "rowq-bench-hold").await?;
             eprintln!("bench: transaction {xid} stays open all run, holding back the cleanup (BENCH_HOLD=1)");
             emit(json!({"workload": "hold", "xid": xid}));
             Some(connection)
@@ -238,19 +242,6 @@ async fn run() -> Result<(), Error> {
 
     report(&results);
     Ok(())
-}
-
-/// A transaction with a transaction id, open on a connection of its own (to the server's
-/// `postgres` database) until the connection is dropped: a session that wrote something and then
-/// waited, as a forgotten `BEGIN`, a long report or a migration would. Its id is in every
-/// snapshot taken meanwhile, in every database of the server, so no row version that a claim, a
-/// fence or a finish leaves behind can be removed, nor its index entries marked dead, until it
-/// ends (README, "Long transactions").
-async fn hold_cleanup() -> Result<(PgConnection, i64), Error> {
-    let mut connection = PgConnection::connect(&common::database_url("postgres")).await?;
-    sqlx::query("BEGIN").execute(&mut connection).await?;
-    let xid: i64 = sqlx::query_scalar("SELECT txid_current()").fetch_one(&mut connection).await?;
-    Ok((connection, xid))
 }
 
 /// `x` rounded to `places` decimal places, as the JSON lines report figures.

@@ -104,6 +104,16 @@ impl<'a> Env<'a> {
     ) -> Result<Duration, ConfigError> {
         self.number(name, default, range).map(Duration::from_secs)
     }
+
+    /// Seconds in `range`, or `default` when unset; `None` at 0 (the feature is off).
+    fn secs_or_off(
+        &self,
+        name: &'static str,
+        default: u64,
+        range: std::ops::RangeInclusive<u64>,
+    ) -> Result<Option<Duration>, ConfigError> {
+        Ok(Some(self.secs(name, default, range)?).filter(|secs| !secs.is_zero()))
+    }
 }
 
 fn process_env(name: &str) -> Option<String> {
@@ -235,8 +245,6 @@ impl SchedulerConfig {
                 reason: "must be 1-64 characters of A-Z a-z 0-9 _ . -".into(),
             });
         }
-        let drain_secs: u64 = env.number("ROWQ_DRAIN_SECS", 0, 0..=MAX_FUNCTION_TIMEOUT_SECS * 100)?;
-        let cleanup_warn_secs: u64 = env.number("ROWQ_CLEANUP_WARN_SECS", DEFAULT_CLEANUP_WARN_SECS, 0..=7 * 86_400)?;
         Ok(SchedulerConfig {
             database: DatabaseConfig::from(env, DEFAULT_SCHEDULER_POOL_SIZE)?,
             queue_url: queue_url(env, "ROWQ_QUEUE_URL")?,
@@ -255,8 +263,8 @@ impl SchedulerConfig {
             retention: Duration::from_secs(
                 env.number("ROWQ_RETENTION_HOURS", DEFAULT_RETENTION_HOURS, 0..=24 * 3650)? * 3600,
             ),
-            drain_for: (drain_secs > 0).then(|| Duration::from_secs(drain_secs)),
-            cleanup_warn_after: (cleanup_warn_secs > 0).then(|| Duration::from_secs(cleanup_warn_secs)),
+            drain_for: env.secs_or_off("ROWQ_DRAIN_SECS", 0, 0..=MAX_FUNCTION_TIMEOUT_SECS * 100)?,
+            cleanup_warn_after: env.secs_or_off("ROWQ_CLEANUP_WARN_SECS", DEFAULT_CLEANUP_WARN_SECS, 0..=7 * 86_400)?,
         })
     }
 }
@@ -413,21 +421,17 @@ mod tests {
     }
 
     #[test]
-    fn the_cleanup_check_is_off_at_zero_and_on_otherwise() {
-        assert_eq!(scheduler(&[DB, QUEUE, ("ROWQ_CLEANUP_WARN_SECS", "0")]).unwrap().cleanup_warn_after, None);
-        assert_eq!(
-            scheduler(&[DB, QUEUE, ("ROWQ_CLEANUP_WARN_SECS", "60")]).unwrap().cleanup_warn_after,
-            Some(Duration::from_secs(60))
-        );
-    }
-
-    #[test]
-    fn drain_mode_is_off_at_zero_and_on_otherwise() {
-        assert_eq!(scheduler(&[DB, QUEUE, ("ROWQ_DRAIN_SECS", "0")]).unwrap().drain_for, None);
-        assert_eq!(
-            scheduler(&[DB, QUEUE, ("ROWQ_DRAIN_SECS", "50")]).unwrap().drain_for,
-            Some(Duration::from_secs(50))
-        );
+    fn settings_in_seconds_are_off_at_zero_and_on_otherwise() {
+        type Field = fn(&SchedulerConfig) -> Option<Duration>;
+        let settings: [(&str, &str, Field); 2] = [
+            ("ROWQ_CLEANUP_WARN_SECS", "60", |config| config.cleanup_warn_after),
+            ("ROWQ_DRAIN_SECS", "50", |config| config.drain_for),
+        ];
+        for (name, on, field) in settings {
+            assert_eq!(field(&scheduler(&[DB, QUEUE, (name, "0")]).unwrap()), None, "{name}=0");
+            let secs = on.parse().unwrap();
+            assert_eq!(field(&scheduler(&[DB, QUEUE, (name, on)]).unwrap()), Some(Duration::from_secs(secs)), "{name}");
+        }
     }
 
     #[test]

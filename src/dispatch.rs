@@ -425,23 +425,21 @@ impl<P: Publisher> Scheduler<P> {
             }
         }
     }
-}
 
-impl<P> Scheduler<P> {
     /// Warns, at most once per `cleanup_warn_after`, while something open that long holds back
     /// the cleanup of the rows' old versions ([`store::maintenance::CleanupHolder`]): every
     /// claim then reads again each row version left since it began, and dispatch slows down as
     /// jobs run, with nothing else in the scheduler's own logs to say why.
     async fn check_cleanup(&self) {
         let Some(after) = self.config.cleanup_warn_after else { return };
-        let due = |warned_at: &Option<Instant>| warned_at.is_none_or(|at| at.elapsed() >= after);
-        if !due(&self.cleanup_warned_at.lock().unwrap_or_else(|poisoned| poisoned.into_inner())) {
+        let warned_at = || self.cleanup_warned_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if warned_at().is_some_and(|at| at.elapsed() < after) {
             return;
         }
         match store::maintenance::cleanup_holders(&self.pool, after).await {
             Ok(holders) => {
                 let Some(oldest) = holders.first() else { return };
-                *self.cleanup_warned_at.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Instant::now());
+                *warned_at() = Some(Instant::now());
                 tracing::warn!(
                     holder.pid = oldest.pid,
                     holder.open_secs = oldest.open_secs,

@@ -1036,16 +1036,9 @@ async fn the_scheduler_sessions_plan_no_sequential_scan_of_the_table() {
     assert_eq!(setting, "off", "the listener's connection, where the claim runs, lacks the setting");
 }
 
-/// A connection to `url` named `name` (its `application_name`) with a transaction open that
-/// has a transaction id, as a session that wrote something and went idle holds one; and its
-/// process id.
+/// [`common::open_transaction`], its transaction id left out.
 async fn open_transaction(url: &str, name: &str) -> (sqlx::PgConnection, i32) {
-    use sqlx::{ConnectOptions, Executor};
-    let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
-    let mut connection = options.application_name(name).connect().await.unwrap();
-    connection.execute("BEGIN").await.unwrap();
-    let (pid, _xid): (i32, i64) =
-        sqlx::query_as("SELECT pg_backend_pid(), txid_current()").fetch_one(&mut connection).await.unwrap();
+    let (connection, pid, _xid) = common::open_transaction(url, name).await.unwrap();
     (connection, pid)
 }
 
@@ -1079,11 +1072,9 @@ async fn a_transaction_left_open_is_named_as_holding_back_the_cleanup() {
     assert!(!holder_pids(&pool, Duration::ZERO).await.contains(&Some(here_pid)), "named after it ended");
 
     // Another database's session holds this one back only once it has a transaction id.
-    let elsewhere = common::database_url("postgres");
-    use sqlx::{ConnectOptions, Executor};
-    let options: sqlx::postgres::PgConnectOptions = elsewhere.parse().unwrap();
-    let mut reader = options.connect().await.unwrap();
-    reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ").await.unwrap();
+    use sqlx::Connection;
+    let mut reader = sqlx::PgConnection::connect(&common::database_url("postgres")).await.unwrap();
+    sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut reader).await.unwrap();
     let reader_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut reader).await.unwrap();
     assert!(
         !holder_pids(&pool, Duration::ZERO).await.contains(&Some(reader_pid)),

@@ -327,6 +327,20 @@ pub fn url_of(pool: &PgPool) -> String {
     database_url(pool.connect_options().get_database().expect("a test pool names its database"))
 }
 
+/// A connection to `url`, named `name` (its `application_name`), holding a transaction that has
+/// a transaction id, as a session that wrote something and then waited would (a forgotten
+/// `BEGIN`, a long report): until it ends, Postgres cleans up no row version younger than it, in
+/// any database of the server. With its process id and transaction id.
+pub async fn open_transaction(url: &str, name: &str) -> Result<(sqlx::PgConnection, i32, i64), sqlx::Error> {
+    use sqlx::ConnectOptions;
+    let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+    let mut connection = options.application_name(name).connect().await?;
+    sqlx::query("BEGIN").execute(&mut connection).await?;
+    let (pid, xid): (i32, i64) =
+        sqlx::query_as("SELECT pg_backend_pid(), txid_current()").fetch_one(&mut connection).await?;
+    Ok((connection, pid, xid))
+}
+
 /// Enqueues one job with defaults; panics if refused.
 pub async fn enqueue(pool: &PgPool, kind: &str, payload: serde_json::Value) -> JobId {
     admin::enqueue(pool, &NewJob::new(kind, payload)).await.expect("enqueue").expect("not a duplicate")
