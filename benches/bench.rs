@@ -633,7 +633,7 @@ fn memory_consumers(
     progress: Arc<Progress>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     (0..c)
-        .map(|_| {
+        .map(|poller| {
             let (scheduler, worker, stop, progress) =
                 (publisher.clone(), worker.clone(), stop.clone(), progress.clone());
             tokio::spawn(async move {
@@ -661,7 +661,7 @@ fn memory_consumers(
                         let (worker, progress) = (worker.clone(), progress.clone());
                         async move {
                             let deadline = Instant::now() + Duration::from_secs(60);
-                            let response = worker.handle_batch_then(event, deadline, Some(returned)).await;
+                            let response = worker.handle_batch_then(event, deadline, poller, Some(returned)).await;
                             let acknowledged = records - response.batch_item_failures.len();
                             progress.acknowledged.send_modify(|n| *n += acknowledged);
                         }

@@ -11,7 +11,8 @@
 //! combiner, the batches that are about to ask (answered by the statement before, and already
 //! running) get a few turns to join it ([`GATHER_TURNS`]). An idle one waits for nothing: a
 //! request that finds it idle is sent at once. A Lambda instance handles one batch at a time,
-//! so there each statement is its own batch's, as before.
+//! so there each statement is its own batch's, as before. The worker runs one combiner per lane
+//! of pollers ([`crate::worker::LANES`]), so that two chains of statements run out of phase.
 //!
 //! Requests with the same key (the same job generation delivered to two concurrent batches)
 //! are sent once; the answer goes to the first asker, and the other sees its request
@@ -32,10 +33,13 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-/// How many combined statements run at once. One keeps a whole backlog's batches
-/// queuing behind a single statement; two lets Postgres work on one while the answer of the
-/// other travels back. More cost CPU per job on two cores and gained no throughput, with
-/// fences and finishes in separate queues and again in one (BENCHMARKS.md).
+/// How many combined statements of one combiner run at once. One keeps a whole backlog's
+/// batches queuing behind a single statement; two lets Postgres work on one while the answer of
+/// the other travels back. More cost CPU per job on two cores and gained no throughput, with
+/// fences and finishes in separate queues and again in one (BENCHMARKS.md). Since the pollers
+/// came to move in lock-step (their next fence going with their last finish), the second slot
+/// is rarely used; the worker's second lane is what runs a second chain
+/// ([`crate::worker::LANES`]).
 pub const STATEMENTS_IN_FLIGHT: usize = 2;
 
 /// The most requests in one statement: one batch's finish and the next batch's fence for each

@@ -82,7 +82,9 @@ impl EventSource {
     }
 
     /// Runs `pollers` concurrent pollers until `shutdown` turns `true`. A batch being handled
-    /// is always finished (handled and deleted) before a poller stops.
+    /// is always finished (handled and deleted) before a poller stops. The handler is told which
+    /// poller (0-based) delivered each batch: the worker keeps each poller's statements in a
+    /// lane of their own ([`crate::worker::LANES`]).
     ///
     /// Each poller holds one batch whose handlers run and, at most, one before it whose
     /// outcomes are being recorded and messages deleted: it receives again when the handler
@@ -91,11 +93,11 @@ impl EventSource {
     /// yet deleted).
     pub async fn run<H, F>(self: Arc<Self>, pollers: usize, handler: H, shutdown: watch::Receiver<bool>)
     where
-        H: Fn(SqsEvent, Instant, HandlersReturned) -> F + Clone + Send + Sync + 'static,
+        H: Fn(SqsEvent, Instant, usize, HandlersReturned) -> F + Clone + Send + Sync + 'static,
         F: Future<Output = SqsBatchResponse> + Send + 'static,
     {
         let mut tasks = tokio::task::JoinSet::new();
-        for _ in 0..pollers.max(1) {
+        for poller in 0..pollers.max(1) {
             let source = self.clone();
             let handler = handler.clone();
             let mut shutdown = shutdown.clone();
@@ -110,7 +112,7 @@ impl EventSource {
                                 let (returned, handlers_returned) = oneshot::channel();
                                 let delivery = tokio::spawn({
                                     let (source, handler) = (source.clone(), handler.clone());
-                                    async move { source.deliver(messages, &handler, returned).await }
+                                    async move { source.deliver(messages, &handler, poller, returned).await }
                                 });
                                 batches.hand_over(delivery, handlers_returned).await;
                             }
@@ -132,15 +134,15 @@ impl EventSource {
         }
     }
 
-    /// One receive → handle → delete cycle; returns how many records were handled.
+    /// One receive → handle → delete cycle, as poller 0; returns how many records were handled.
     pub async fn poll_once<H, F>(&self, handler: &H) -> Result<usize, SqsError>
     where
-        H: Fn(SqsEvent, Instant, HandlersReturned) -> F,
+        H: Fn(SqsEvent, Instant, usize, HandlersReturned) -> F,
         F: Future<Output = SqsBatchResponse>,
     {
         let messages = self.receive().await?;
         let count = messages.len();
-        self.deliver(messages, handler, oneshot::channel().0).await;
+        self.deliver(messages, handler, 0, oneshot::channel().0).await;
         Ok(count)
     }
 
@@ -158,9 +160,9 @@ impl EventSource {
         Ok(output.messages.unwrap_or_default())
     }
 
-    async fn deliver<H, F>(&self, messages: Vec<Message>, handler: &H, returned: HandlersReturned)
+    async fn deliver<H, F>(&self, messages: Vec<Message>, handler: &H, poller: usize, returned: HandlersReturned)
     where
-        H: Fn(SqsEvent, Instant, HandlersReturned) -> F,
+        H: Fn(SqsEvent, Instant, usize, HandlersReturned) -> F,
         F: Future<Output = SqsBatchResponse>,
     {
         if messages.is_empty() {
@@ -169,7 +171,7 @@ impl EventSource {
         let mut event = SqsEvent::default();
         event.records = messages.iter().map(|m| self.record(m)).collect();
         let deadline = Instant::now() + self.function_timeout;
-        let response = handler(event, deadline, returned).await;
+        let response = handler(event, deadline, poller, returned).await;
         let failed: HashSet<&str> = response.batch_item_failures.iter().map(|f| f.item_identifier.as_str()).collect();
         self.totals.batches.fetch_add(1, Ordering::Relaxed);
         self.totals.records.fetch_add(messages.len() as u64, Ordering::Relaxed);

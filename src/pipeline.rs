@@ -52,9 +52,9 @@ impl Pipeline {
         let jobs =
             Arc::new(EventSource::new(client.clone(), &source.queue_url, source.wait, source.function_timeout).await?);
         let worker = Arc::new(worker);
-        let handler = move |event, deadline: Instant, returned| {
+        let handler = move |event, deadline: Instant, poller, returned| {
             let worker = worker.clone();
-            async move { worker.handle_batch_then(event, deadline, Some(returned)).await }
+            async move { worker.handle_batch_then(event, deadline, poller, Some(returned)).await }
         };
         tasks.spawn({
             let (jobs, shutdown, pollers) = (jobs.clone(), shutdown.clone(), source.pollers);
@@ -68,7 +68,7 @@ impl Pipeline {
             Some(dlq_url) => {
                 let dlq =
                     Arc::new(EventSource::new(client.clone(), dlq_url, source.wait, source.function_timeout).await?);
-                let handler = move |event, _deadline: Instant, _returned| {
+                let handler = move |event, _deadline: Instant, _poller, _returned| {
                     let pool = pool.clone();
                     async move { crate::dlq::handle_batch(&pool, event).await }
                 };

@@ -13,7 +13,7 @@
 //!   through its own transaction. A job that did is finished inside that transaction.
 //!   Batches handled at the same time by one process (the local runner's pollers) share those
 //!   statements, one batch's finish going with another's fence ([`crate::combine`],
-//!   [`run::step`]).
+//!   [`run::step`]), in one of [`LANES`] chains of statements chosen by the batch's poller.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -34,13 +34,34 @@ use crate::store::run::{self, Done, Finish, Finished, Outcome, StartRequest, Sta
 /// The SQS record attribute that names the FIFO message group.
 pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
 
+/// How many chains of combined statements one worker runs side by side: a batch's fences and
+/// finishes go to the combiner of its poller's lane (`poller % LANES`), each with connections
+/// of its own.
+///
+/// With one combiner, the local runner's pollers moved in lock-step: the one statement in
+/// flight answered every batch at once, their handlers ran while Postgres had nothing of the
+/// worker's to do, and their finishes and next fences came back together for the next
+/// statement — a chain of one statement at a time, which left a third of two cores idle in a
+/// drain (a second slot in the same combiner is never used: the batches all wait on the first).
+/// Two lanes are two such chains out of phase: one's statement runs while the other's batches
+/// are handled. Each statement holds half as many requests, so there are twice as many
+/// commits: 2–3 µs more CPU per job. In-memory drain, 8 pollers, on a machine with a 40 µs
+/// `fdatasync` where one lane left the ratio at 0.43–0.55: 36.2–41.1k jobs/s against
+/// 31.1–39.7k (ratio 0.48–0.58), 14 interleaved pairs; three lanes gave no more and four
+/// cost more CPU than they gained (BENCHMARKS.md, round 36). Pollers taking lanes in turn by
+/// batch instead of by poller split a batch's finish from its poller's next fence: 35.6–36.3k.
+///
+/// A Lambda instance handles one batch at a time, always in lane 0.
+pub const LANES: usize = 2;
+
 /// Pool, handlers and settings: built once per Lambda instance, shared by its invocations.
 pub struct Worker {
     pool: PgPool,
     registry: Registry,
     config: WorkerConfig,
-    /// Fences and finishes of concurrent batches, combined ([`run::step`]).
-    steps: Combiner<Step, Done>,
+    /// Fences and finishes of concurrent batches, combined ([`run::step`]): one combiner per
+    /// lane ([`LANES`]).
+    lanes: Vec<Combiner<Step, Done>>,
 }
 
 /// A record this worker will act on.
@@ -74,21 +95,27 @@ impl Worker {
     /// Must be called within a Tokio runtime: it starts the task that sends the fences and
     /// finishes.
     ///
-    /// The combined statements run on connections of `pool` that the worker keeps between
+    /// The combined statements run on connections of `pool` that the lanes keep between
     /// back-to-back statements ([`KeptConnections`]): at most one per statement in flight, never
     /// the whole pool, and none for longer than [`kept::KEEP_FOR`] unused.
     pub fn new(pool: PgPool, registry: Registry, config: WorkerConfig) -> Self {
-        let kept = Arc::new(KeptConnections::new(pool.clone(), combine::STATEMENTS_IN_FLIGHT, kept::KEEP_FOR));
-        let steps = Combiner::spawn(Step::key, Done::key, move |steps| {
-            let kept = kept.clone();
-            async move {
-                let mut connection = kept.take().await?;
-                let done = run::step(&mut connection, steps).await?;
-                kept.keep(connection);
-                Ok(done)
-            }
-        });
-        Worker { pool, registry, config, steps }
+        let most = combine::STATEMENTS_IN_FLIGHT * LANES;
+        let kept = Arc::new(KeptConnections::new(pool.clone(), most, kept::KEEP_FOR));
+        let lanes = (0..LANES)
+            .map(|_| {
+                let kept = kept.clone();
+                Combiner::spawn(Step::key, Done::key, move |steps| {
+                    let kept = kept.clone();
+                    async move {
+                        let mut connection = kept.take().await?;
+                        let done = run::step(&mut connection, steps).await?;
+                        kept.keep(connection);
+                        Ok(done)
+                    }
+                })
+            })
+            .collect();
+        Worker { pool, registry, config, lanes }
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -97,7 +124,7 @@ impl Worker {
 
     /// Handles one SQS batch; `deadline` is when the invocation ends (Lambda's deadline).
     pub async fn handle_batch(&self, event: SqsEvent, deadline: Instant) -> SqsBatchResponse {
-        self.handle_batch_then(event, deadline, None).await
+        self.handle_batch_then(event, deadline, 0, None).await
     }
 
     /// [`handle_batch`](Self::handle_batch), saying on `ran` when the batch's last handlers
@@ -105,13 +132,16 @@ impl Worker {
     /// ends otherwise). A poller that holds several batches in one process (the local event
     /// source) takes its next batch then: its fence can meet this batch's finish in the
     /// combiner, one statement and one commit for both, and no more than one batch of its
-    /// handlers runs at a time.
+    /// handlers runs at a time. `poller` names who delivered the batch: each poller's batches
+    /// use the statements of its own lane ([`LANES`]).
     pub async fn handle_batch_then(
         &self,
         event: SqsEvent,
         deadline: Instant,
+        poller: usize,
         mut ran: Option<oneshot::Sender<()>>,
     ) -> SqsBatchResponse {
+        let steps = &self.lanes[poller % LANES];
         let groups = group_records(event.records);
         let mut failures: Vec<String> = Vec::new();
         let mut cursors = vec![0usize; groups.len()];
@@ -132,7 +162,7 @@ impl Worker {
             }
             let last = groups.iter().enumerate().all(|(g, records)| failed_groups[g] || cursors[g] >= records.len());
             let ran = if last { ran.take() } else { None };
-            for failed in self.run_round(&round, deadline, ran).await {
+            for failed in self.run_round(steps, &round, deadline, ran).await {
                 failed_groups[failed] = true;
             }
         }
@@ -150,6 +180,7 @@ impl Worker {
     /// returned. Returns the groups that hit an infrastructure failure.
     async fn run_round(
         &self,
+        steps: &Combiner<Step, Done>,
         round: &[(usize, Record)],
         deadline: Instant,
         ran: Option<oneshot::Sender<()>>,
@@ -172,7 +203,7 @@ impl Worker {
             .iter()
             .map(|(_, r)| StartRequest { id: r.message.job_id, dispatch_gen: r.message.dispatch_gen, lease })
             .collect();
-        let started = match self.steps.call(requests.into_iter().map(Step::Start).collect()).await {
+        let started = match steps.call(requests.into_iter().map(Step::Start).collect()).await {
             Ok(done) => done.into_iter().filter_map(Done::started),
             Err(error) => {
                 tracing::error!(error = %error, records = round.len(), "could not start jobs: database unavailable; records will be redelivered");
@@ -205,7 +236,7 @@ impl Worker {
         if let Some(ran) = ran {
             let _ = ran.send(());
         }
-        let failed_records = self.record_outcomes(executions).await;
+        let failed_records = self.record_outcomes(steps, executions).await;
         failed_records.iter().filter_map(|id| group_of.get(id).copied()).collect()
     }
 
@@ -276,14 +307,14 @@ impl Worker {
 
     /// Records the outcomes not yet recorded in one statement, and logs every outcome.
     /// Returns the message ids whose outcome could not be recorded.
-    async fn record_outcomes(&self, executions: Vec<Execution>) -> Vec<String> {
+    async fn record_outcomes(&self, steps: &Combiner<Step, Done>, executions: Vec<Execution>) -> Vec<String> {
         let mut failed = Vec::new();
         let mut finished: Vec<&Execution> = Vec::new();
         let (pending, done): (Vec<&Execution>, Vec<&Execution>) =
             executions.iter().partition(|e| matches!(e.recorded, Recorded::Pending));
 
         let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(&e.job, &e.outcome)).collect();
-        match self.steps.call(finishes.into_iter().map(Step::Finish).collect()).await {
+        match steps.call(finishes.into_iter().map(Step::Finish).collect()).await {
             Ok(done) => {
                 let recorded: HashSet<Finished> = done.into_iter().filter_map(Done::finished).collect();
                 for execution in pending {

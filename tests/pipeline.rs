@@ -65,9 +65,9 @@ async fn every_message_delivered_twice_still_runs_each_job_once() {
             .unwrap(),
     );
     let worker = Arc::new(Worker::new(pool.clone(), effect_registry(), common::worker_config()));
-    let handler = move |event: SqsEvent, deadline: Instant, returned| {
+    let handler = move |event: SqsEvent, deadline: Instant, poller, returned| {
         let worker = worker.clone();
-        async move { worker.handle_batch_then(event, deadline, Some(returned)).await }
+        async move { worker.handle_batch_then(event, deadline, poller, Some(returned)).await }
     };
     let (stop, shutdown) = tokio::sync::watch::channel(false);
     let running = tokio::spawn(source.clone().run(4, handler, shutdown));
@@ -115,7 +115,7 @@ async fn a_poller_takes_its_next_batch_when_the_handlers_of_the_last_one_have_re
         let trace: Arc<std::sync::Mutex<PollerTrace>> = Arc::default();
         let handler = {
             let trace = trace.clone();
-            move |_event: SqsEvent, _deadline: Instant, returned: HandlersReturned| {
+            move |_event: SqsEvent, _deadline: Instant, _poller: usize, returned: HandlersReturned| {
                 let trace = trace.clone();
                 async move {
                     let batch = {
@@ -198,7 +198,7 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
     let source = EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(10))
         .await
         .unwrap();
-    let handler = move |event: SqsEvent, deadline: Instant, _returned| {
+    let handler = move |event: SqsEvent, deadline: Instant, _poller, _returned| {
         let broken = broken.clone();
         async move { broken.handle_batch(event, deadline).await }
     };
@@ -226,7 +226,7 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
     let dlq = EventSource::new(client.clone(), &queues.dlq_url, Duration::from_secs(1), Duration::from_secs(10))
         .await
         .unwrap();
-    let dlq_handler = |event: SqsEvent, _deadline: Instant, _returned| {
+    let dlq_handler = |event: SqsEvent, _deadline: Instant, _poller, _returned| {
         let pool = pool.clone();
         async move { dlq::handle_batch(&pool, event).await }
     };

@@ -55,7 +55,13 @@ fn message(id: JobId, generation: i64) -> String {
 }
 
 async fn deliver(worker: &Worker, records: Vec<SqsMessage>) -> Vec<String> {
-    let response = worker.handle_batch(event(records), Instant::now() + Duration::from_secs(30)).await;
+    deliver_from(worker, 0, records).await
+}
+
+/// [`deliver`], as the local runner's poller `poller` hands a batch over: in that poller's lane.
+async fn deliver_from(worker: &Worker, poller: usize, records: Vec<SqsMessage>) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let response = worker.handle_batch_then(event(records), deadline, poller, None).await;
     response.batch_item_failures.into_iter().map(|f| f.item_identifier).collect()
 }
 
@@ -737,7 +743,7 @@ async fn a_batch_says_its_handlers_returned_before_its_outcomes_are_recorded() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let records = vec![record("m1", "g", message(id, 1))];
     let (response, state_when_told) =
-        tokio::join!(worker.handle_batch_then(event(records), deadline, Some(returned)), async {
+        tokio::join!(worker.handle_batch_then(event(records), deadline, 0, Some(returned)), async {
             let told = tokio::time::timeout(Duration::from_secs(10), handlers_returned).await;
             let state = common::job(&pool, id).await.state;
             if let Some(tx) = held.lock().await.take() {
@@ -772,7 +778,7 @@ async fn a_batch_says_its_handlers_returned_only_after_its_last_round() {
     let records = ids.iter().map(|id| record(&format!("m{}", id.0), "one-group", message(*id, 1))).collect();
     let (returned, handlers_returned) = tokio::sync::oneshot::channel();
     let deadline = Instant::now() + Duration::from_secs(30);
-    let (response, seen) = tokio::join!(worker.handle_batch_then(event(records), deadline, Some(returned)), async {
+    let (response, seen) = tokio::join!(worker.handle_batch_then(event(records), deadline, 0, Some(returned)), async {
         handlers_returned.await.expect("told when the handlers returned");
         returned_handlers.load(std::sync::atomic::Ordering::SeqCst)
     });
@@ -780,22 +786,82 @@ async fn a_batch_says_its_handlers_returned_only_after_its_last_round() {
     assert_eq!(seen, 2, "told before the second round's handler returned");
 }
 
+/// From two pollers of one lane, the two fences go in one statement, which names the job once;
+/// from pollers of two lanes, in two statements at once, and the row's guard lets one through.
 #[tokio::test]
 async fn a_job_delivered_to_two_batches_handled_at_once_runs_once() {
     let pool = common::database().await;
     common::create_effects(&pool).await;
-    let id = common::enqueue(&pool, "effect", json!({})).await;
-    let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let worker = worker(&pool);
-    let body = message(id, claimed[0].dispatch_gen);
-    let (first, second) = tokio::join!(
-        deliver(&worker, vec![record("m1", "g", body.clone())]),
-        deliver(&worker, vec![record("m2", "g", body)]),
-    );
-    assert!(first.is_empty() && second.is_empty(), "the duplicate is acknowledged: {first:?} {second:?}");
-    let row = common::job(&pool, id).await;
-    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 1));
-    assert_eq!(effects_of(&pool, id).await, 1);
+    for pollers in [(0, rowq::worker::LANES), (0, 1)] {
+        let id = common::enqueue(&pool, "effect", json!({})).await;
+        let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
+        let body = message(id, claimed[0].dispatch_gen);
+        let (first, second) = tokio::join!(
+            deliver_from(&worker, pollers.0, vec![record("m1", "g", body.clone())]),
+            deliver_from(&worker, pollers.1, vec![record("m2", "g", body)]),
+        );
+        assert!(
+            first.is_empty() && second.is_empty(),
+            "{pollers:?}: the duplicate is acknowledged: {first:?} {second:?}"
+        );
+        let row = common::job(&pool, id).await;
+        assert_eq!((row.state, row.attempts), (JobState::Succeeded, 1), "{pollers:?}");
+        assert_eq!(effects_of(&pool, id).await, 1, "{pollers:?}");
+    }
+}
+
+/// The worker's lanes are chains of statements of their own: with both statements of one lane
+/// held up (a lock on their rows), a batch of the other lane's poller still runs at once. With
+/// one lane for every poller, it waits behind them.
+#[tokio::test]
+async fn a_lane_whose_statements_are_held_up_does_not_hold_up_the_other() {
+    let pool = common::database_with(8).await;
+    let ids = [
+        common::enqueue(&pool, "noop", json!({})).await,
+        common::enqueue(&pool, "noop", json!({})).await,
+        common::enqueue(&pool, "noop", json!({})).await,
+    ];
+    claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    let batch = |id: JobId| vec![record(&format!("m{}", id.0), &format!("g{}", id.0), message(id, 1))];
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM rowq.jobs WHERE id = ANY ($1) FOR UPDATE")
+        .bind(vec![ids[0].0, ids[1].0])
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let worker = Arc::new(worker(&pool));
+    let waiting_on_locks = |n: i64| {
+        let pool = pool.clone();
+        common::eventually(Duration::from_secs(10), "the fences to wait on the lock", move || {
+            let pool = pool.clone();
+            async move {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                (waiting == n).then_some(())
+            }
+        })
+    };
+    // Pollers 0 and LANES share lane 0: one fence at a time, each in a statement of its own.
+    let mut held = Vec::new();
+    for (n, (poller, id)) in [(0, ids[0]), (rowq::worker::LANES, ids[1])].into_iter().enumerate() {
+        let worker = worker.clone();
+        held.push(tokio::spawn(async move { deliver_from(&worker, poller, batch(id)).await }));
+        waiting_on_locks(n as i64 + 1).await;
+    }
+    let other = tokio::time::timeout(Duration::from_secs(10), deliver_from(&worker, 1, batch(ids[2]))).await;
+    let states = [common::job(&pool, ids[0]).await.state, common::job(&pool, ids[2]).await.state];
+    lock.rollback().await.unwrap();
+    assert_eq!(other.ok(), Some(Vec::new()), "lane 1's batch waited behind lane 0's statements");
+    assert_eq!(states, [JobState::Dispatched, JobState::Succeeded]);
+    for batch in held {
+        assert!(batch.await.unwrap().is_empty());
+    }
+    assert_eq!(common::count_in_state(&pool, JobState::Succeeded).await, 3);
 }
 
 #[tokio::test]
