@@ -35,8 +35,8 @@ use crate::store::run::{self, Done, Finish, Finished, Outcome, StartRequest, Sta
 pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
 
 /// How many chains of combined statements one worker runs side by side: a batch's fences and
-/// finishes go to the combiner of its poller's lane (`poller % LANES`), each with connections
-/// of its own.
+/// finishes go to the combiner of its poller's lane (`poller % LANES`). The lanes share the
+/// worker's kept connections.
 ///
 /// With one combiner, the local runner's pollers moved in lock-step: the one statement in
 /// flight answered every batch at once, their handlers ran while Postgres had nothing of the
@@ -44,12 +44,12 @@ pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
 /// statement — a chain of one statement at a time, which left a third of two cores idle in a
 /// drain (a second slot in the same combiner is never used: the batches all wait on the first).
 /// Two lanes are two such chains out of phase: one's statement runs while the other's batches
-/// are handled. Each statement holds half as many requests, so there are twice as many
-/// commits: 2–3 µs more CPU per job. In-memory drain, 8 pollers, on a machine with a 40 µs
-/// `fdatasync` where one lane left the ratio at 0.43–0.55: 36.2–41.1k jobs/s against
-/// 31.1–39.7k (ratio 0.48–0.58), 14 interleaved pairs; three lanes gave no more and four
-/// cost more CPU than they gained (BENCHMARKS.md, round 36). Pollers taking lanes in turn by
-/// batch instead of by poller split a batch's finish from its poller's next fence: 35.6–36.3k.
+/// are handled. Each statement holds half as many requests, so a drain commits twice as often.
+/// In-memory drain, 8 pollers, on a machine with a 42 µs `fdatasync` where one lane missed the
+/// drain target, in turns with the build before: 37.6–38.9k jobs/s against 31.3–37.8k, ratio
+/// to the SQL floor 0.51–0.55 against 0.42–0.48 (BENCHMARKS.md, round 36). Three lanes gave no
+/// more and four cost more CPU than they gained; lanes taken in turn by batch instead of by
+/// poller split a batch's finish from its poller's next fence, and gained less.
 ///
 /// A Lambda instance handles one batch at a time, always in lane 0.
 pub const LANES: usize = 2;
