@@ -527,6 +527,30 @@ impl CpuMeter {
     }
 }
 
+/// The WAL the server wrote since it was made (its insert position), server-wide: nothing else
+/// runs beside a workload, so it is the workload's (autovacuum's, if it runs meanwhile,
+/// included). A drain's worker statements spend most of their time flushing it (BENCHMARKS.md,
+/// round 36). How many flushes, `pg_stat_wal` cannot say here: backends report to it only every
+/// second or so, and at exit.
+struct WalMeter {
+    bytes: f64,
+}
+
+impl WalMeter {
+    async fn start(pool: &PgPool) -> Result<Self, sqlx::Error> {
+        Ok(WalMeter { bytes: Self::now(pool).await? })
+    }
+
+    async fn now(pool: &PgPool) -> Result<f64, sqlx::Error> {
+        sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8").fetch_one(pool).await
+    }
+
+    /// Bytes of WAL per item since `start`.
+    async fn per(&self, pool: &PgPool, items: f64) -> Result<f64, sqlx::Error> {
+        Ok(((Self::now(pool).await? - self.bytes) / items).round())
+    }
+}
+
 /// CPU seconds (user + system) a process has used, from `/proc/<pid>/stat`; `pid` is a number or
 /// `self`. None once the process is gone.
 fn process_seconds(pid: &str) -> Option<f64> {
@@ -747,6 +771,7 @@ async fn enqueue(settings: &Settings) -> Result<Value, Error> {
 async fn sql_floor(settings: &Settings) -> Result<Value, Error> {
     let (pool, url) = database(settings, "floor").await?;
     backlog(&pool, settings.n).await?;
+    let wal = WalMeter::start(&pool).await?;
     let cpu = CpuMeter::start();
     let started = Instant::now();
     let tasks: Vec<_> = (0..settings.c)
@@ -790,10 +815,12 @@ async fn sql_floor(settings: &Settings) -> Result<Value, Error> {
     }
     let throughput = rate(settings.n as f64, started.elapsed());
     let (cpu_us, client_cpu_us) = cpu.per(settings.n as f64);
+    let wal_bytes = wal.per(&pool, settings.n as f64).await?;
     drop_database(pool, &url).await;
     Ok(json!({
         "workload": "sql-floor", "rows_per_s": throughput, "connections": settings.c,
         "cpu_us_per_row": cpu_us, "client_cpu_us_per_row": client_cpu_us,
+        "wal_bytes_per_row": wal_bytes,
     }))
 }
 
@@ -823,6 +850,7 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
     let scheduler = Arc::new(
         scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
     );
+    let wal = WalMeter::start(&pool).await?;
     let cpu = CpuMeter::start();
     let allocations = AllocationMeter::start();
     let started = Instant::now();
@@ -831,6 +859,7 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
     progress.wait_for(settings.n as usize, Duration::from_secs(600)).await?;
     let throughput = rate(settings.n as f64, started.elapsed());
     let (cpu_us, client_cpu_us) = cpu.per(settings.n as f64);
+    let wal_bytes = wal.per(&pool, settings.n as f64).await?;
     let (allocations, allocated_bytes) = allocations.per(settings.n as f64);
     // Every message acknowledged must be a job recorded as succeeded, or the rate means nothing;
     // and an echo job's result must be its payload, or the results were not what was measured.
@@ -849,6 +878,7 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
         "workload": if result_bytes == 0 { "drain" } else { "drain-results" }, "result_bytes": result_bytes,
         "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c,
         "cpu_us_per_job": cpu_us, "client_cpu_us_per_job": client_cpu_us,
+        "wal_bytes_per_job": wal_bytes,
         "client_allocations_per_job": allocations, "client_allocated_bytes_per_job": allocated_bytes,
         "mean_batch": rounded(settings.n as f64 / progress.batches.load(Ordering::Relaxed).max(1) as f64, 1),
     }))
@@ -1284,6 +1314,10 @@ fn report(results: &[Value]) {
     line(
         "drain in-memory: CPU per job, all / rowq",
         format!("{:.0} / {:.0} µs", f(&drain_mem, "cpu_us_per_job"), f(&drain_mem, "client_cpu_us_per_job")),
+    );
+    line(
+        "WAL per row / job: floor / drain",
+        format!("{:.0} / {:.0} B", f(&floor, "wal_bytes_per_row"), f(&drain_mem, "wal_bytes_per_job")),
     );
     line(
         "drain in-memory: rowq allocations per job",
