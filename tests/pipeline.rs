@@ -178,6 +178,43 @@ async fn a_poller_takes_its_next_batch_when_the_handlers_of_the_last_one_have_re
     }
 }
 
+/// Each poller tells the handler who it is, so that the worker can keep a poller's statements
+/// in its own lane: with two pollers and a handler slow enough that one poller cannot take every
+/// batch, both indexes reach the handler, and no other.
+#[tokio::test]
+async fn the_event_source_tells_the_handler_which_poller_delivered_each_batch() {
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let messages: Vec<(rowq::JobId, i64)> = (0..20).map(|n| (rowq::JobId(n), 1)).collect();
+    assert_eq!(common::send_job_messages(&client, &queues.queue_url, &messages, "lanes").await.unwrap(), 20);
+    let seen: Arc<std::sync::Mutex<std::collections::BTreeSet<usize>>> = Arc::default();
+    let handler = {
+        let seen = seen.clone();
+        move |_event: SqsEvent, _deadline: Instant, poller: usize, _returned: HandlersReturned| {
+            seen.lock().unwrap().insert(poller);
+            async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                SqsBatchResponse::default()
+            }
+        }
+    };
+    let source = Arc::new(
+        EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(source.clone().run(2, handler, shutdown));
+    common::eventually(Duration::from_secs(30), "all 20 messages handled", || {
+        let records = source.totals().records.load(std::sync::atomic::Ordering::Relaxed);
+        async move { (records >= 20).then_some(()) }
+    })
+    .await;
+    stop.send(true).unwrap();
+    running.await.unwrap();
+    assert_eq!(*seen.lock().unwrap(), [0, 1].into(), "the pollers the handler was told of");
+}
+
 #[tokio::test]
 async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_their_jobs() {
     let pool = common::database().await;
