@@ -529,9 +529,8 @@ impl CpuMeter {
 
 /// The WAL the server wrote since it was made (its insert position), server-wide: nothing else
 /// runs beside a workload, so it is the workload's (autovacuum's, if it runs meanwhile,
-/// included). A drain's worker statements spend most of their time flushing it (BENCHMARKS.md,
-/// round 36). How many flushes, `pg_stat_wal` cannot say here: backends report to it only every
-/// second or so, and at exit.
+/// included): what each side asks of the disk. How many flushes, `pg_stat_wal` cannot say here:
+/// backends report to it only every second or so, and at exit.
 struct WalMeter {
     bytes: f64,
 }
