@@ -76,13 +76,13 @@ pub struct Scheduler<P> {
     pool: PgPool,
     publisher: P,
     config: SchedulerConfig,
-    /// When the last warning that the cleanup is held back was logged.
-    cleanup_warned_at: std::sync::Mutex<Option<Instant>>,
+    /// When the cleanup may next be checked ([`Scheduler::check_cleanup`]).
+    cleanup_check_due: std::sync::Mutex<Option<Instant>>,
 }
 
 impl<P: Publisher> Scheduler<P> {
     pub fn new(pool: PgPool, publisher: P, config: SchedulerConfig) -> Self {
-        Scheduler { pool, publisher, config, cleanup_warned_at: std::sync::Mutex::new(None) }
+        Scheduler { pool, publisher, config, cleanup_check_due: std::sync::Mutex::new(None) }
     }
 
     pub fn publisher(&self) -> &P {
@@ -430,29 +430,32 @@ impl<P: Publisher> Scheduler<P> {
     /// the cleanup of the rows' old versions ([`store::maintenance::CleanupHolder`]): every
     /// claim then reads again each row version left since it began, and dispatch slows down as
     /// jobs run, with nothing else in the scheduler's own logs to say why.
+    ///
+    /// It looks at most once per `maintenance_interval` (passes that leave work follow each
+    /// other at once), and after a warning not again for `cleanup_warn_after`.
     async fn check_cleanup(&self) {
         let Some(after) = self.config.cleanup_warn_after else { return };
-        let warned_at = || self.cleanup_warned_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if warned_at().is_some_and(|at| at.elapsed() < after) {
+        let due = || self.cleanup_check_due.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if due().is_some_and(|at| Instant::now() < at) {
             return;
         }
-        match store::maintenance::cleanup_holders(&self.pool, after).await {
-            Ok(holders) => {
-                let Some(oldest) = holders.first() else { return };
-                *warned_at() = Some(Instant::now());
-                tracing::warn!(
-                    holder.pid = oldest.pid,
-                    holder.open_secs = oldest.open_secs,
-                    holder.xid_age = oldest.xid_age,
-                    holders = holders.len(),
-                    "cleanup held back by {oldest}: every claim re-reads the row versions left since, and dispatch \
-                     slows down until it ends (README: \"Long transactions\")"
-                );
-            }
-            Err(error) => {
-                tracing::warn!(error = %error, "could not check what holds back the cleanup of old row versions")
-            }
-        }
+        let holders = store::maintenance::cleanup_holders(&self.pool, after).await.unwrap_or_else(|error| {
+            tracing::warn!(error = %error, "could not check what holds back the cleanup of old row versions");
+            Vec::new()
+        });
+        let Some(oldest) = holders.first() else {
+            *due() = Some(Instant::now() + self.config.maintenance_interval);
+            return;
+        };
+        *due() = Some(Instant::now() + after);
+        tracing::warn!(
+            holder.pid = oldest.pid,
+            holder.open_secs = oldest.open_secs,
+            holder.xid_age = oldest.xid_age,
+            holders = holders.len(),
+            "cleanup held back by {oldest}: every claim re-reads the row versions left since, and dispatch slows \
+             down until it ends (README: \"Long transactions\")"
+        );
     }
 }
 

@@ -102,6 +102,39 @@ struct PollerTrace {
     next_began_while_finishing: usize,
 }
 
+/// How many messages [`queue_of_job_messages`] sends.
+const MESSAGES: u64 = 20;
+
+/// A new queue holding [`MESSAGES`] job messages, each in a message group of its own.
+async fn queue_of_job_messages(client: &aws_sdk_sqs::Client, dedup_prefix: &str) -> rowq::sqs::QueuePair {
+    let queues = common::queues(client, 5, Duration::from_secs(30)).await;
+    let messages: Vec<(rowq::JobId, i64)> = (0..MESSAGES as i64).map(|n| (rowq::JobId(n), 1)).collect();
+    let sent = common::send_job_messages(client, &queues.queue_url, &messages, dedup_prefix).await.unwrap();
+    assert_eq!(sent as u64, MESSAGES);
+    queues
+}
+
+/// Runs `pollers` pollers of an event source on `queue_url` with `handler` until they have
+/// handled [`MESSAGES`] records, then stops them.
+async fn poll_until_all_handled<H, F>(client: &aws_sdk_sqs::Client, queue_url: &str, pollers: usize, handler: H)
+where
+    H: Fn(SqsEvent, Instant, usize, HandlersReturned) -> F + Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = SqsBatchResponse> + Send + 'static,
+{
+    let source = Arc::new(
+        EventSource::new(client.clone(), queue_url, Duration::from_secs(1), Duration::from_secs(30)).await.unwrap(),
+    );
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(source.clone().run(pollers, handler, shutdown));
+    common::eventually(Duration::from_secs(30), "every message handled", || {
+        let records = source.totals().records.load(std::sync::atomic::Ordering::Relaxed);
+        async move { (records >= MESSAGES).then_some(()) }
+    })
+    .await;
+    stop.send(true).unwrap();
+    running.await.unwrap();
+}
+
 /// A poller takes its next batch as soon as the handler says the handlers of the last one have
 /// returned, while that batch is still recording its outcomes; never two batches' handlers at
 /// once; and from a handler that never says so, one batch after the other, as before.
@@ -109,9 +142,7 @@ struct PollerTrace {
 async fn a_poller_takes_its_next_batch_when_the_handlers_of_the_last_one_have_returned() {
     let client = common::sqs().await;
     for tells in [true, false] {
-        let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
-        let messages: Vec<(rowq::JobId, i64)> = (0..20).map(|n| (rowq::JobId(n), 1)).collect();
-        assert_eq!(common::send_job_messages(&client, &queues.queue_url, &messages, "poller").await.unwrap(), 20);
+        let queues = queue_of_job_messages(&client, "poller").await;
         let trace: Arc<std::sync::Mutex<PollerTrace>> = Arc::default();
         let handler = {
             let trace = trace.clone();
@@ -152,20 +183,7 @@ async fn a_poller_takes_its_next_batch_when_the_handlers_of_the_last_one_have_re
                 }
             }
         };
-        let source = Arc::new(
-            EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(30))
-                .await
-                .unwrap(),
-        );
-        let (stop, shutdown) = tokio::sync::watch::channel(false);
-        let running = tokio::spawn(source.clone().run(1, handler, shutdown));
-        common::eventually(Duration::from_secs(30), "all 20 messages handled", || {
-            let records = source.totals().records.load(std::sync::atomic::Ordering::Relaxed);
-            async move { (records >= 20).then_some(()) }
-        })
-        .await;
-        stop.send(true).unwrap();
-        running.await.unwrap();
+        poll_until_all_handled(&client, &queues.queue_url, 1, handler).await;
         let trace = std::mem::take(&mut *trace.lock().unwrap());
         assert_eq!(trace.most_in_handlers, 1, "two batches' handlers ran at once: {trace:?}");
         if tells {
@@ -184,9 +202,7 @@ async fn a_poller_takes_its_next_batch_when_the_handlers_of_the_last_one_have_re
 #[tokio::test]
 async fn the_event_source_tells_the_handler_which_poller_delivered_each_batch() {
     let client = common::sqs().await;
-    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
-    let messages: Vec<(rowq::JobId, i64)> = (0..20).map(|n| (rowq::JobId(n), 1)).collect();
-    assert_eq!(common::send_job_messages(&client, &queues.queue_url, &messages, "lanes").await.unwrap(), 20);
+    let queues = queue_of_job_messages(&client, "lanes").await;
     let seen: Arc<std::sync::Mutex<std::collections::BTreeSet<usize>>> = Arc::default();
     let handler = {
         let seen = seen.clone();
@@ -198,20 +214,7 @@ async fn the_event_source_tells_the_handler_which_poller_delivered_each_batch() 
             }
         }
     };
-    let source = Arc::new(
-        EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(30))
-            .await
-            .unwrap(),
-    );
-    let (stop, shutdown) = tokio::sync::watch::channel(false);
-    let running = tokio::spawn(source.clone().run(2, handler, shutdown));
-    common::eventually(Duration::from_secs(30), "all 20 messages handled", || {
-        let records = source.totals().records.load(std::sync::atomic::Ordering::Relaxed);
-        async move { (records >= 20).then_some(()) }
-    })
-    .await;
-    stop.send(true).unwrap();
-    running.await.unwrap();
+    poll_until_all_handled(&client, &queues.queue_url, 2, handler).await;
     assert_eq!(*seen.lock().unwrap(), [0, 1].into(), "the pollers the handler was told of");
 }
 
