@@ -16,7 +16,7 @@
 //!   [`run::step`]), in one of [`LANES`] chains of statements chosen by the batch's poller.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent, SqsMessage};
@@ -51,7 +51,8 @@ pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
 /// more and four cost more CPU than they gained; lanes taken in turn by batch instead of by
 /// poller split a batch's finish from its poller's next fence, and gained less.
 ///
-/// A Lambda instance handles one batch at a time, always in lane 0.
+/// A Lambda instance handles one batch at a time, always in lane 0; a lane's combiner task
+/// starts when its first batch arrives, so a Lambda instance runs only the one.
 pub const LANES: usize = 2;
 
 /// Pool, handlers and settings: built once per Lambda instance, shared by its invocations.
@@ -60,8 +61,10 @@ pub struct Worker {
     registry: Registry,
     config: WorkerConfig,
     /// Fences and finishes of concurrent batches, combined ([`run::step`]): one combiner per
-    /// lane ([`LANES`]).
-    lanes: Vec<Combiner<Step, Done>>,
+    /// lane ([`LANES`]), started by the lane's first batch.
+    lanes: [OnceLock<Combiner<Step, Done>>; LANES],
+    /// The connections the lanes' statements keep between them, shared by the lanes.
+    kept: Arc<KeptConnections>,
 }
 
 /// A record this worker will act on.
@@ -92,30 +95,30 @@ enum Recorded {
 }
 
 impl Worker {
-    /// Must be called within a Tokio runtime: it starts the task that sends the fences and
-    /// finishes.
-    ///
     /// The combined statements run on connections of `pool` that the lanes keep between
     /// back-to-back statements ([`KeptConnections`]): at most one per statement in flight, never
     /// the whole pool, and none for longer than [`kept::KEEP_FOR`] unused.
     pub fn new(pool: PgPool, registry: Registry, config: WorkerConfig) -> Self {
         let most = combine::STATEMENTS_IN_FLIGHT * LANES;
         let kept = Arc::new(KeptConnections::new(pool.clone(), most, kept::KEEP_FOR));
-        let lanes = (0..LANES)
-            .map(|_| {
+        Worker { pool, registry, config, lanes: Default::default(), kept }
+    }
+
+    /// The combiner of `poller`'s lane, started (a task on the current Tokio runtime) by the
+    /// lane's first batch.
+    fn lane(&self, poller: usize) -> &Combiner<Step, Done> {
+        self.lanes[poller % LANES].get_or_init(|| {
+            let kept = self.kept.clone();
+            Combiner::spawn(Step::key, Done::key, move |steps| {
                 let kept = kept.clone();
-                Combiner::spawn(Step::key, Done::key, move |steps| {
-                    let kept = kept.clone();
-                    async move {
-                        let mut connection = kept.take().await?;
-                        let done = run::step(&mut connection, steps).await?;
-                        kept.keep(connection);
-                        Ok(done)
-                    }
-                })
+                async move {
+                    let mut connection = kept.take().await?;
+                    let done = run::step(&mut connection, steps).await?;
+                    kept.keep(connection);
+                    Ok(done)
+                }
             })
-            .collect();
-        Worker { pool, registry, config, lanes }
+        })
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -141,7 +144,7 @@ impl Worker {
         poller: usize,
         mut ran: Option<oneshot::Sender<()>>,
     ) -> SqsBatchResponse {
-        let steps = &self.lanes[poller % LANES];
+        let steps = self.lane(poller);
         let groups = group_records(event.records);
         let mut failures: Vec<String> = Vec::new();
         let mut cursors = vec![0usize; groups.len()];
@@ -487,6 +490,37 @@ pub async fn run_lambda(worker: Worker) -> Result<(), lambda_runtime::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A worker whose database does not answer: every fence fails at once, and the test needs
+    /// no server.
+    fn unreachable_worker() -> Worker {
+        let url = "postgres://rowq@127.0.0.1:1/none";
+        let lookup = |name: &str| (name == "DATABASE_URL").then(|| url.to_string());
+        let config = WorkerConfig::from(&crate::config::Env::new(&lookup)).unwrap();
+        let pool =
+            sqlx::postgres::PgPoolOptions::new().acquire_timeout(Duration::from_millis(200)).connect_lazy(url).unwrap();
+        Worker::new(pool, Registry::builtin(), config)
+    }
+
+    #[tokio::test]
+    async fn a_lane_starts_with_its_first_batch_so_lambda_runs_one_combiner() {
+        let worker = unreachable_worker();
+        let started = |worker: &Worker| worker.lanes.iter().map(|lane| lane.get().is_some()).collect::<Vec<_>>();
+        assert_eq!(started(&worker), vec![false; LANES], "no combiner before a batch");
+        let event = |id: &str| {
+            let mut event = SqsEvent::default();
+            event.records = vec![record(id, Some("g"), &body(1, 1))];
+            event
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+
+        let response = worker.handle_batch(event("a"), deadline).await;
+        assert_eq!(response.batch_item_failures.len(), 1, "the fence failed: SQS redelivers");
+        assert_eq!(started(&worker), [vec![true], vec![false; LANES - 1]].concat(), "Lambda's batches: lane 0 alone");
+
+        worker.handle_batch_then(event("b"), deadline, LANES + 1, None).await;
+        assert_eq!(started(&worker), [vec![true; 2], vec![false; LANES - 2]].concat(), "poller LANES + 1 is lane 1's");
+    }
 
     fn record(id: &str, group: Option<&str>, body: &str) -> SqsMessage {
         let mut message = SqsMessage::default();
