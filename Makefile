@@ -44,7 +44,7 @@ test: ## lint, then every test against real Postgres and LocalStack (starts and 
 
 .PHONY: bench-smoke
 bench-smoke: ## every benchmark workload at a tiny size, unoptimised (part of make test: the suite keeps working)
-	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=300 BENCH_LATENCY_N=20 BENCH_RATE=200 BENCH_PAIRS=2 \
+	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=300 BENCH_LATENCY_N=20 BENCH_RATE=200 BENCH_PAIRS=2 BENCH_LOCALSTACK_PAIR_S=0 \
 		BENCH_HOLD=1 $(LOCALSTACK) with cargo test --locked --bench bench
 
 .PHONY: dev
