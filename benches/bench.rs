@@ -85,7 +85,7 @@ const WORKLOADS: [(&str, Workload); 11] = [
 /// On a shared two-core machine one run of a floor moves by a third from one minute to the next;
 /// a pair sees the same machine, and the median of several pairs is steadier than any one of
 /// them. A drain pair takes a few seconds; the latency pair ~25 s, taken in turns
-/// ([`pickup_turns`]); a LocalStack pair 25–66 s, so it runs two (their mean), or one where
+/// ([`pickup_turns`]); a LocalStack pair 20–66 s, so it runs two (their mean), or one where
 /// LocalStack is slow ([`LOCALSTACK_PAIR_BUDGET_S`]), which keeps a clean clone's `make bench`
 /// inside its 10-minute budget (docs/benchmarks-log.md, runs 29–33 and 62–63).
 const PAIRED: [([Workload; 2], usize); 3] = [
@@ -96,7 +96,7 @@ const PAIRED: [([Workload; 2], usize); 3] = [
 
 /// A LocalStack pair (raw, then rowq's drain through it) that takes longer than this many seconds
 /// is the run's only one (`BENCH_LOCALSTACK_PAIR_S` sets another bound). LocalStack's pace is
-/// its machine's: a pair took 25–35 s on most machines, and 63–66 s on the slowest, whose clean
+/// its machine's: a pair took 20–35 s on most machines, and 63–66 s on the slowest, whose clean
 /// clone's `make bench` took 10 min 12 s and 10 min 29 s with two (runs 62–63). There the ratio
 /// comes from one pair, and the run says so (a `pairs-cut` line).
 const LOCALSTACK_PAIR_BUDGET_S: f64 = 45.0;
