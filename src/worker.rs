@@ -144,8 +144,11 @@ impl Worker {
         poller: usize,
         mut ran: Option<oneshot::Sender<()>>,
     ) -> SqsBatchResponse {
-        let steps = self.lane(poller);
         let groups = group_records(event.records);
+        if groups.is_empty() {
+            return batch_response(Vec::new()); // nothing to fence: no lane is started for it
+        }
+        let steps = self.lane(poller);
         let mut failures: Vec<String> = Vec::new();
         let mut cursors = vec![0usize; groups.len()];
         let mut failed_groups = vec![false; groups.len()];
@@ -506,20 +509,25 @@ mod tests {
     async fn a_lane_starts_with_its_first_batch_so_lambda_runs_one_combiner() {
         let worker = unreachable_worker();
         let started = |worker: &Worker| worker.lanes.iter().map(|lane| lane.get().is_some()).collect::<Vec<_>>();
-        assert_eq!(started(&worker), vec![false; LANES], "no combiner before a batch");
-        let event = |id: &str| {
+        let first = |n: usize| (0..LANES).map(|lane| lane < n).collect::<Vec<_>>();
+        assert_eq!(started(&worker), first(0), "no combiner before a batch");
+        let event = |id: &str, body: &str| {
             let mut event = SqsEvent::default();
-            event.records = vec![record(id, Some("g"), &body(1, 1))];
+            event.records = vec![record(id, Some("g"), body)];
             event
         };
         let deadline = Instant::now() + Duration::from_secs(30);
 
-        let response = worker.handle_batch(event("a"), deadline).await;
-        assert_eq!(response.batch_item_failures.len(), 1, "the fence failed: SQS redelivers");
-        assert_eq!(started(&worker), [vec![true], vec![false; LANES - 1]].concat(), "Lambda's batches: lane 0 alone");
+        let response = worker.handle_batch(event("m", "not a job message"), deadline).await;
+        assert!(response.batch_item_failures.is_empty(), "a malformed record is acknowledged");
+        assert_eq!(started(&worker), first(0), "a batch with nothing to fence starts no combiner");
 
-        worker.handle_batch_then(event("b"), deadline, LANES + 1, None).await;
-        assert_eq!(started(&worker), [vec![true; 2], vec![false; LANES - 2]].concat(), "poller LANES + 1 is lane 1's");
+        let response = worker.handle_batch(event("a", &body(1, 1)), deadline).await;
+        assert_eq!(response.batch_item_failures.len(), 1, "the fence failed: SQS redelivers");
+        assert_eq!(started(&worker), first(1), "Lambda's batches: lane 0 alone");
+
+        worker.handle_batch_then(event("b", &body(1, 1)), deadline, LANES + 1, None).await;
+        assert_eq!(started(&worker), first(2), "poller LANES + 1 is lane 1's");
     }
 
     fn record(id: &str, group: Option<&str>, body: &str) -> SqsMessage {
