@@ -46,6 +46,9 @@ test: ## lint, then every test against real Postgres and LocalStack (starts and 
 bench-smoke: ## every benchmark workload at a tiny size, unoptimised (part of make test: the suite keeps working)
 	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) BENCH_N=300 BENCH_LATENCY_N=20 BENCH_RATE=200 BENCH_PAIRS=2 BENCH_LOCALSTACK_PAIR_S=0 \
 		BENCH_HOLD=1 $(LOCALSTACK) with cargo test --locked --bench bench
+	@# The pickup pair again against the two-step latency floor (BENCH_FLOOR_STEPS=2, BENCHMARKS.md).
+	DATABASE_URL=$(TEST_DATABASE_URL) BENCH_LATENCY_N=20 BENCH_RATE=200 BENCH_PAIRS=1 BENCH_FLOOR_STEPS=2 \
+		BENCH_ONLY=latency-floor,latency-memory cargo test --locked --bench bench
 
 .PHONY: dev
 dev: ## run the whole pipeline on this machine until Ctrl-C (Postgres + LocalStack found or started)

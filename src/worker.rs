@@ -52,7 +52,8 @@ pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
 /// poller split a batch's finish from its poller's next fence, and gained less.
 ///
 /// A Lambda instance handles one batch at a time, always in lane 0; a lane's combiner task
-/// starts when its first batch arrives, so a Lambda instance runs only the one.
+/// starts when its first batch with a record to fence arrives, so a Lambda instance runs only
+/// the one.
 pub const LANES: usize = 2;
 
 /// Pool, handlers and settings: built once per Lambda instance, shared by its invocations.
