@@ -940,7 +940,6 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
 struct LatencyFloor {
     pool: PgPool,
     url: String,
-    steps: u8,
     done: Arc<AtomicBool>,
     claimer: tokio::task::JoinHandle<Result<(), sqlx::Error>>,
 }
@@ -1001,7 +1000,7 @@ impl LatencyFloor {
                 Ok(())
             })
         };
-        Ok(LatencyFloor { pool, url, steps, done, claimer })
+        Ok(LatencyFloor { pool, url, done, claimer })
     }
 
     /// Stops the claimer once the last row had time to be claimed; the latencies of the rows
@@ -1015,12 +1014,12 @@ impl LatencyFloor {
         if claimed != settings.latency_n {
             return Err(format!(
                 "the {}-step latency floor started {claimed} of {} jobs",
-                self.steps, settings.latency_n
+                settings.floor_steps, settings.latency_n
             )
             .into());
         }
         Ok(json!({
-            "workload": "latency-floor", "steps": self.steps, "p50_ms": p50, "p99_ms": p99, "max_ms": max,
+            "workload": "latency-floor", "steps": settings.floor_steps, "p50_ms": p50, "p99_ms": p99, "max_ms": max,
             "claimed": claimed,
         }))
     }

@@ -1036,14 +1036,16 @@ async fn the_scheduler_sessions_plan_no_sequential_scan_of_the_table() {
     assert_eq!(setting, "off", "the listener's connection, where the claim runs, lacks the setting");
 }
 
-/// Taken by each test that leaves a transaction open: such a transaction holds back the cleanup
-/// of every database, so tests that name the holder must not meet another test's.
+/// Held while a test's transaction is left open: such a transaction holds back the cleanup of
+/// every database, so tests that name the holder must not meet another test's.
 static HOLDERS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// [`common::open_transaction`], its transaction id left out.
-async fn open_transaction(url: &str, name: &str) -> (sqlx::PgConnection, i32) {
+/// [`common::open_transaction`], its transaction id left out, taken once no other test of this
+/// file holds one: keep the guard until the test's last look at the holders.
+async fn open_transaction(url: &str, name: &str) -> (sqlx::PgConnection, i32, tokio::sync::MutexGuard<'static, ()>) {
+    let alone = HOLDERS.lock().await;
     let (connection, pid, _xid) = common::open_transaction(url, name).await.unwrap();
-    (connection, pid)
+    (connection, pid, alone)
 }
 
 async fn holder_pids(pool: &PgPool, open_for: Duration) -> Vec<Option<i32>> {
@@ -1056,10 +1058,9 @@ async fn holder_pids(pool: &PgPool, open_for: Duration) -> Vec<Option<i32>> {
 /// has a snapshot, and neither once it ends.
 #[tokio::test]
 async fn a_transaction_left_open_is_named_as_holding_back_the_cleanup() {
-    let _alone = HOLDERS.lock().await;
     let pool = common::database().await;
     let name = format!("rowq-test-holder-{}", std::process::id());
-    let (mut here, here_pid) = open_transaction(&common::url_of(&pool), &name).await;
+    let (mut here, here_pid, _alone) = open_transaction(&common::url_of(&pool), &name).await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
     let holders = rowq::store::maintenance::cleanup_holders(&pool, Duration::from_secs(1)).await.unwrap();
@@ -1096,7 +1097,6 @@ async fn a_transaction_left_open_is_named_as_holding_back_the_cleanup() {
 #[tokio::test]
 async fn another_roles_transaction_is_named_to_a_role_that_cannot_see_its_details() {
     use sqlx::{ConnectOptions, Connection};
-    let _alone = HOLDERS.lock().await;
     let pool = common::database().await;
     let role = format!("rowq_test_plain_{}", std::process::id());
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}"))).execute(&pool).await.unwrap();
@@ -1104,7 +1104,7 @@ async fn another_roles_transaction_is_named_to_a_role_that_cannot_see_its_detail
     let url = common::url_of(&pool);
     let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
     let mut plain = options.username(&role).connect().await.unwrap();
-    let (mut holder, pid) = open_transaction(&url, "rowq-test-hidden-holder").await;
+    let (mut holder, pid, _alone) = open_transaction(&url, "rowq-test-hidden-holder").await;
 
     // Open for an hour: no holder of this test run qualifies by its time, only untimed ones.
     let holders =
@@ -1152,8 +1152,7 @@ async fn the_scheduler_warns_of_a_transaction_holding_back_the_cleanup() {
         .with_max_level(tracing::Level::WARN)
         .finish();
     let _logging = tracing::subscriber::set_default(subscriber);
-    let _alone = HOLDERS.lock().await;
-    let (mut holder, pid) = open_transaction(&common::url_of(&pool), "rowq-test-scheduler-holder").await;
+    let (mut holder, pid, _alone) = open_transaction(&common::url_of(&pool), "rowq-test-scheduler-holder").await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
     let mut config = common::scheduler_config(MEMORY_URL);
