@@ -15,8 +15,8 @@ const peers = named.length > 0 ? named : [...new Set(lines.filter((l) => l.peer)
 if (peers.length === 0) throw new Error(`${process.argv[2]} holds no peer's runs`);
 
 const floor = (l) => l.workload === "latency-floor";
-// `BENCH_FLOOR_STEPS=2`, passed through to rowq's side, makes its latency floor two steps.
-const floorName = lines.some((l) => floor(l) && l.steps === 2) ? "two-step latency floor" : "latency floor";
+// The two-step floor's clock (its fenced start), unless rowq's side ran with BENCH_FLOOR_STEPS=1.
+const twoStep = lines.some((l) => floor(l) && l.started_p50_ms !== undefined);
 const rowqPickup = (l) => l.workload === "latency" && l.transport === "memory";
 const rowqDrain = (l) => l.workload === "drain" && l.transport === "memory";
 const peerPickup = (peer) => (l) => l.peer === peer && l.workload === "latency";
@@ -25,7 +25,8 @@ const peerDrain = (peer, config) => (l) => l.peer === peer && l.config === confi
 // (what, which lines, which number of each): the pickup's p50 and p99 (`q`), each side's; the
 // drain's rate and CPU per job (`key`, `unit`), rowq's and each peer's with its two settings.
 const pickup = (q) => [
-  [`pickup ${q}, ms: ${floorName}`, floor, (l) => l[`${q}_ms`]],
+  [`pickup ${q}, ms: latency floor`, floor, (l) => l[`${q}_ms`]],
+  ...(twoStep ? [[`pickup ${q}, ms: two-step latency floor (its start)`, floor, (l) => l[`started_${q}_ms`]]] : []),
   [`pickup ${q}, ms: rowq in memory, started_at (its fence)`, rowqPickup, (l) => l[`${q}_ms`]],
   ...peers.flatMap((peer) => [
     [`pickup ${q}, ms: ${peer}, claimed (its claim's now())`, peerPickup(peer), (l) => l[`${q}_ms`]],
