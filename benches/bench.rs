@@ -1415,8 +1415,8 @@ fn report(results: &[Value]) {
 
     eprintln!();
     eprintln!("{:<44} {:>14}", "WORKLOAD", "RESULT");
-    // A row with no figure in it (every workload behind it left out by `BENCH_ONLY`) is not
-    // printed.
+    // A row with no figure in it (every workload behind it left out by `BENCH_ONLY`, or the
+    // two-step floor's clock with `BENCH_FLOOR_STEPS=1`) is not printed.
     let line = |name: &str, value: String| {
         if value.chars().any(|c| c.is_ascii_digit()) {
             eprintln!("{name:<44} {value:>14}");
@@ -1555,7 +1555,8 @@ fn report(results: &[Value]) {
         // The table prints the JSON's rounded figures, and a target is judged on the figure
         // printed, so no line reads "1.50 < 1.50 no": `{:.2}` of the unrounded value could differ
         // from the JSON in the last place (a pair of 1.575 printed 1.57 beside the JSON's 1.58).
-        // A ratio whose workloads `BENCH_ONLY` left out is not judged ("met": null) and has no
+        // A ratio with no pair (its workloads left out by `BENCH_ONLY`, or the two-step floor's
+        // clock not taken, with `BENCH_FLOOR_STEPS=1`) is not judged ("met": null) and has no
         // row in the table.
         let value = round(value);
         let met = target
