@@ -1508,42 +1508,42 @@ fn report(results: &[Value]) {
     // behind the two-step floor, what rowq's own code adds.
     let ratios = [
         (
-            "in-memory drain / sql-floor".to_string(),
+            "in-memory drain / sql-floor",
             ratio((drain_memory, "jobs_per_s"), (sql_floor, "rows_per_s")),
             Some((0.5, true)),
         ),
         (
-            "in-memory latency p50 / floor p50".to_string(),
+            "in-memory latency p50 / floor p50",
             ratio((latency_memory, "p50_ms"), (latency_floor, "p50_ms")),
             Some((1.5, false)),
         ),
         (
-            "in-memory latency p99 / floor p99".to_string(),
+            "in-memory latency p99 / floor p99",
             ratio((latency_memory, "p99_ms"), (latency_floor, "p99_ms")),
             Some((3.0, false)),
         ),
         (
-            "LocalStack drain / raw LocalStack".to_string(),
+            "LocalStack drain / raw LocalStack",
             ratio((drain_localstack, "jobs_per_s"), (raw_localstack, "messages_per_s")),
             Some((0.8, true)),
         ),
         (
-            "proposed: latency p50 / two-step floor p50".to_string(),
+            "proposed: latency p50 / two-step floor p50",
             ratio((latency_memory, "p50_ms"), (latency_floor, "started_p50_ms")),
             Some((1.25, false)),
         ),
         (
-            "LocalStack's CPU per message, drain / raw".to_string(),
+            "LocalStack's CPU per message, drain / raw",
             ratio((drain_localstack, "localstack_cpu_us_per_job"), (raw_localstack, "localstack_cpu_us_per_message")),
             None,
         ),
         (
-            "in-memory latency p50 - floor p50, ms".to_string(),
+            "in-memory latency p50 - floor p50, ms",
             difference((latency_memory, "p50_ms"), (latency_floor, "p50_ms")),
             None,
         ),
         (
-            "in-memory p50 - two-step floor p50, ms".to_string(),
+            "in-memory p50 - two-step floor p50, ms",
             difference((latency_memory, "p50_ms"), (latency_floor, "started_p50_ms")),
             None,
         ),
@@ -1558,16 +1558,16 @@ fn report(results: &[Value]) {
         // A ratio with no pair (its workloads left out by `BENCH_ONLY`, or the two-step floor's
         // clock not taken, with `BENCH_FLOOR_STEPS=1`) is not judged ("met": null) and has no
         // row in the table.
-        let value = round(value);
+        let (value, each): (f64, Vec<f64>) = (round(value), each.iter().map(|r| round(*r)).collect());
         let met = target
             .filter(|_| !each.is_empty())
             .map(|(target, at_least)| if at_least { value >= target } else { value <= target });
-        let pairs: Vec<String> = each.iter().map(|r| format!("{:.2}", round(*r))).collect();
-        let goal = match target {
-            Some((target, at_least)) => format!("{}{target:>7.2}", if at_least { ">" } else { "<" }),
-            None => format!("{:>8}", "-"),
-        };
         if !each.is_empty() {
+            let goal = match target {
+                Some((target, at_least)) => format!("{}{target:>7.2}", if at_least { ">" } else { "<" }),
+                None => format!("{:>8}", "-"),
+            };
+            let pairs: Vec<String> = each.iter().map(|r| format!("{r:.2}")).collect();
             eprintln!(
                 "{name:<44} {value:>8.2} {goal}  {:<4} {}",
                 match met {
@@ -1581,8 +1581,7 @@ fn report(results: &[Value]) {
         println!(
             "{}",
             json!({
-                "ratio": name, "unit": unit, "value": value,
-                "pairs": each.iter().map(|r| round(*r)).collect::<Vec<_>>(),
+                "ratio": name, "unit": unit, "value": value, "pairs": each,
                 "target": target.map(|(target, _)| target), "at_least": target.map(|(_, at_least)| at_least),
                 "met": met,
             })
