@@ -1432,9 +1432,12 @@ fn report(results: &[Value]) {
         "drain in-memory: CPU per job, all / rowq",
         format!("{:.0} / {:.0} µs", f(&drain_mem, "cpu_us_per_job"), f(&drain_mem, "client_cpu_us_per_job")),
     );
+    // A figure from two workloads reads "-" for the half that did not run (`BENCH_ONLY`), and
+    // so does one that was not taken: no "NaN" in the table.
+    let whole = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.0}") };
     line(
         "WAL per row / job: floor / drain",
-        format!("{:.0} / {:.0} B", f(&floor, "wal_bytes_per_row"), f(&drain_mem, "wal_bytes_per_job")),
+        format!("{} / {} B", whole(f(&floor, "wal_bytes_per_row")), whole(f(&drain_mem, "wal_bytes_per_job"))),
     );
     line(
         "drain in-memory: rowq allocations per job",
@@ -1450,23 +1453,22 @@ fn report(results: &[Value]) {
     );
     line("drain, LocalStack", format!("{:.0} jobs/s", f(&drain_ls, "jobs_per_s")));
     line("raw LocalStack send+receive+delete", format!("{:.0} msg/s", f(&raw, "messages_per_s")));
-    // What each side asked of LocalStack, and rowq's own processes (blank when LocalStack's
+    // What each side asked of LocalStack, and rowq's own processes ("-" when LocalStack's
     // process is not known: one started by someone else).
-    let micros = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.0}") };
     line(
         "drain LocalStack: CPU/job LocalStack / rowq",
         format!(
             "{} / {} µs",
-            micros(f(&drain_ls, "localstack_cpu_us_per_job")),
-            micros(f(&drain_ls, "scheduler_cpu_us_per_job") + f(&drain_ls, "runner_cpu_us_per_job"))
+            whole(f(&drain_ls, "localstack_cpu_us_per_job")),
+            whole(f(&drain_ls, "scheduler_cpu_us_per_job") + f(&drain_ls, "runner_cpu_us_per_job"))
         ),
     );
     line(
         "raw LocalStack: CPU/msg LocalStack / client",
         format!(
             "{} / {} µs",
-            micros(f(&raw, "localstack_cpu_us_per_message")),
-            micros(f(&raw, "client_cpu_us_per_message"))
+            whole(f(&raw, "localstack_cpu_us_per_message")),
+            whole(f(&raw, "client_cpu_us_per_message"))
         ),
     );
     line("latency floor p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_floor, "p50_ms"), f(&lat_floor, "p99_ms")));
