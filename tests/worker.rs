@@ -1155,14 +1155,27 @@ async fn the_connections_to_postgres_send_without_nagles_delay() {
     for _ in 0..3 {
         held.push(pool.acquire().await.unwrap());
     }
-    let port = test.connect_options().get_port();
-    let sockets = postgres_sockets(port);
-    assert!(sockets.len() >= 3, "the pool's connections, found among the process's sockets: {sockets:?}");
-    assert!(sockets.iter().all(|&(_, nodelay)| nodelay), "sockets to port {port} (fd, TCP_NODELAY): {sockets:?}");
+    // The pool's own sockets, by their local ports as the server sees them: the other tests in
+    // this process connect at the same time, and a socket of theirs caught between its connect
+    // and its TCP_NODELAY read as one without it.
+    let mut ours = Vec::new();
+    for connection in &mut held {
+        let port: i32 = sqlx::query_scalar("SELECT inet_client_port()").fetch_one(&mut **connection).await.unwrap();
+        ours.push(u16::try_from(port).unwrap());
+    }
+    let server = test.connect_options().get_port();
+    let sockets: Vec<(u16, bool)> =
+        postgres_sockets(server).into_iter().filter(|(local, _)| ours.contains(local)).collect();
+    assert_eq!(sockets.len(), 3, "the pool's connections (local ports {ours:?}) among the process's sockets");
+    assert!(
+        sockets.iter().all(|&(_, nodelay)| nodelay),
+        "sockets to port {server} (local port, TCP_NODELAY): {sockets:?}"
+    );
 }
 
-/// The process's TCP sockets whose peer is `port`, with whether TCP_NODELAY is set on each.
-fn postgres_sockets(port: u16) -> Vec<(i32, bool)> {
+/// The process's TCP sockets whose peer is `port`: each one's local port, and whether TCP_NODELAY
+/// is set on it.
+fn postgres_sockets(port: u16) -> Vec<(u16, bool)> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
         let Ok(fd) = entry.unwrap().file_name().to_string_lossy().parse::<i32>() else { continue };
@@ -1173,8 +1186,9 @@ fn postgres_sockets(port: u16) -> Vec<(i32, bool)> {
         if peer.map(|address| address.port()) != Some(port) {
             continue; // not a socket connected to the server
         }
+        let Some(local) = socket.local_addr().ok().and_then(|address| address.as_socket()) else { continue };
         let nodelay = socket.tcp_nodelay().unwrap_or_else(|e| panic!("TCP_NODELAY of fd {fd}: {e}"));
-        found.push((fd, nodelay));
+        found.push((local.port(), nodelay));
     }
     found
 }
