@@ -1415,9 +1415,11 @@ fn report(results: &[Value]) {
 
     eprintln!();
     eprintln!("{:<44} {:>14}", "WORKLOAD", "RESULT");
-    // A row with no figure in it (every workload behind it left out by `BENCH_ONLY`, or the
-    // two-step floor's clock with `BENCH_FLOOR_STEPS=1`) is not printed.
+    // A figure that was not taken (its workload left out by `BENCH_ONLY`, the two-step floor's
+    // clock with `BENCH_FLOOR_STEPS=1`, a LocalStack process started by someone else) is NaN and
+    // reads "-", and a row with no figure left in it is not printed.
     let line = |name: &str, value: String| {
+        let value = value.replace("NaN", "-");
         if value.chars().any(|c| c.is_ascii_digit()) {
             eprintln!("{name:<44} {value:>14}");
         }
@@ -1432,12 +1434,9 @@ fn report(results: &[Value]) {
         "drain in-memory: CPU per job, all / rowq",
         format!("{:.0} / {:.0} µs", f(&drain_mem, "cpu_us_per_job"), f(&drain_mem, "client_cpu_us_per_job")),
     );
-    // A figure from two workloads reads "-" for the half that did not run (`BENCH_ONLY`), and
-    // so does one that was not taken: no "NaN" in the table.
-    let whole = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{x:.0}") };
     line(
         "WAL per row / job: floor / drain",
-        format!("{} / {} B", whole(f(&floor, "wal_bytes_per_row")), whole(f(&drain_mem, "wal_bytes_per_job"))),
+        format!("{:.0} / {:.0} B", f(&floor, "wal_bytes_per_row"), f(&drain_mem, "wal_bytes_per_job")),
     );
     line(
         "drain in-memory: rowq allocations per job",
@@ -1453,23 +1452,18 @@ fn report(results: &[Value]) {
     );
     line("drain, LocalStack", format!("{:.0} jobs/s", f(&drain_ls, "jobs_per_s")));
     line("raw LocalStack send+receive+delete", format!("{:.0} msg/s", f(&raw, "messages_per_s")));
-    // What each side asked of LocalStack, and rowq's own processes ("-" when LocalStack's
-    // process is not known: one started by someone else).
+    // What each side asked of LocalStack, and rowq's own processes.
     line(
         "drain LocalStack: CPU/job LocalStack / rowq",
         format!(
-            "{} / {} µs",
-            whole(f(&drain_ls, "localstack_cpu_us_per_job")),
-            whole(f(&drain_ls, "scheduler_cpu_us_per_job") + f(&drain_ls, "runner_cpu_us_per_job"))
+            "{:.0} / {:.0} µs",
+            f(&drain_ls, "localstack_cpu_us_per_job"),
+            f(&drain_ls, "scheduler_cpu_us_per_job") + f(&drain_ls, "runner_cpu_us_per_job")
         ),
     );
     line(
         "raw LocalStack: CPU/msg LocalStack / client",
-        format!(
-            "{} / {} µs",
-            whole(f(&raw, "localstack_cpu_us_per_message")),
-            whole(f(&raw, "client_cpu_us_per_message"))
-        ),
+        format!("{:.0} / {:.0} µs", f(&raw, "localstack_cpu_us_per_message"), f(&raw, "client_cpu_us_per_message")),
     );
     line("latency floor p50 / p99", format!("{:.1} / {:.1} ms", f(&lat_floor, "p50_ms"), f(&lat_floor, "p99_ms")));
     line(
