@@ -1,0 +1,92 @@
+//! README.md stays true to the binaries: every `rowq` subcommand and every `ROWQ_*` setting the
+//! code reads is documented there. Nothing here needs Postgres or SQS.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn readme() -> String {
+    std::fs::read_to_string(root().join("README.md")).expect("read README.md")
+}
+
+/// The subcommands `rowq ARGS --help` lists, without clap's own `help`.
+fn subcommands(args: &[&str]) -> Vec<String> {
+    let output = Command::new(env!("CARGO_BIN_EXE_rowq")).args(args).arg("--help").output().expect("run rowq");
+    assert!(output.status.success(), "rowq {args:?} --help failed");
+    let text = String::from_utf8(output.stdout).expect("--help is UTF-8");
+    let listed: Vec<String> = text
+        .lines()
+        .skip_while(|line| *line != "Commands:")
+        .skip(1)
+        .take_while(|line| !line.trim().is_empty())
+        .filter_map(|line| line.split_whitespace().next())
+        .filter(|name| *name != "help")
+        .map(str::to_owned)
+        .collect();
+    assert!(!listed.is_empty(), "no commands found in rowq {args:?} --help:\n{text}");
+    listed
+}
+
+#[test]
+fn the_readme_names_every_subcommand_of_the_rowq_cli() {
+    let readme = readme();
+    let mut commands: Vec<String> = Vec::new();
+    for command in subcommands(&[]) {
+        let nested =
+            Command::new(env!("CARGO_BIN_EXE_rowq")).args([command.as_str(), "--help"]).output().expect("run rowq");
+        if String::from_utf8_lossy(&nested.stdout).lines().any(|line| line == "Commands:") {
+            commands.extend(subcommands(&[&command]).into_iter().map(|sub| format!("{command} {sub}")));
+        } else {
+            commands.push(command);
+        }
+    }
+    assert!(commands.iter().any(|c| c == "queues create"), "nested commands not read: {commands:?}");
+    let missing: Vec<&String> = commands.iter().filter(|c| !readme.contains(&format!("`rowq {c}"))).collect();
+    assert!(missing.is_empty(), "README.md does not name `rowq …` for {missing:?}");
+}
+
+fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read src") {
+        let path = entry.expect("read a directory entry").path();
+        if path.is_dir() {
+            rust_files(&path, found);
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            found.push(path);
+        }
+    }
+}
+
+/// Every `"ROWQ_…"` string literal in `src/`: the settings read with `Env` and clap's `env = …`.
+fn settings_in_src() -> Vec<String> {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    let mut names: Vec<String> = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("read a source file");
+        for (at, _) in text.match_indices("\"ROWQ_") {
+            let name: String = text[at + 1..]
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            if text[at + 1 + name.len()..].starts_with('"') {
+                names.push(name);
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+#[test]
+fn the_readme_documents_every_setting_the_code_reads() {
+    let settings = settings_in_src();
+    assert!(settings.len() >= 20, "too few settings found, is the scan broken? {settings:?}");
+    assert!(settings.iter().any(|s| s == "ROWQ_CLAIM_BATCH"), "{settings:?}");
+    let readme = readme();
+    let missing: Vec<&String> = settings.iter().filter(|s| !readme.contains(&format!("`{s}`"))).collect();
+    assert!(missing.is_empty(), "README.md's configuration does not document {missing:?}");
+}
