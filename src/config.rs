@@ -229,6 +229,9 @@ pub struct SchedulerConfig {
     /// Warn (every this long) while a transaction open for this long holds back the cleanup of
     /// the rows' old versions, which slows every claim; `None` never checks.
     pub cleanup_warn_after: Option<Duration>,
+    /// `ROWQ_METRICS_NAMESPACE`: report the queue's gauges under this CloudWatch namespace, as
+    /// Embedded Metric Format lines on stdout ([`crate::metrics`]); `None` reports nothing.
+    pub metrics_namespace: Option<String>,
 }
 
 impl SchedulerConfig {
@@ -265,8 +268,25 @@ impl SchedulerConfig {
             ),
             drain_for: env.secs_or_off("ROWQ_DRAIN_SECS", 0, 0..=MAX_FUNCTION_TIMEOUT_SECS * 100)?,
             cleanup_warn_after: env.secs_or_off("ROWQ_CLEANUP_WARN_SECS", DEFAULT_CLEANUP_WARN_SECS, 0..=7 * 86_400)?,
+            metrics_namespace: metrics_namespace(env)?,
         })
     }
+}
+
+/// `ROWQ_METRICS_NAMESPACE`, checked against CloudWatch's rules for a namespace, which would
+/// otherwise drop every metric without a word: 1-255 characters of letters, digits and
+/// `. - _ / # : space`, not starting with `AWS/` (AWS's own).
+fn metrics_namespace(env: &Env<'_>) -> Result<Option<String>, ConfigError> {
+    let Some(namespace) = env.optional("ROWQ_METRICS_NAMESPACE") else { return Ok(None) };
+    let allowed = |c: char| c.is_ascii_alphanumeric() || ".-_/#: ".contains(c);
+    if namespace.len() > 255 || !namespace.chars().all(allowed) || namespace.starts_with("AWS/") {
+        return Err(ConfigError::Invalid {
+            name: "ROWQ_METRICS_NAMESPACE",
+            value: namespace,
+            reason: "must be 1-255 characters of A-Z a-z 0-9 . - _ / # : and space, not starting with AWS/".into(),
+        });
+    }
+    Ok(Some(namespace))
 }
 
 fn queue_url(env: &Env<'_>, name: &'static str) -> Result<String, ConfigError> {
@@ -386,6 +406,17 @@ mod tests {
         assert_eq!(config.drain_for, None);
         assert_eq!(config.cleanup_warn_after, Some(Duration::from_secs(DEFAULT_CLEANUP_WARN_SECS)));
         assert_eq!(config.retention, Duration::from_secs(DEFAULT_RETENTION_HOURS * 3600));
+        assert_eq!(config.metrics_namespace, None);
+    }
+
+    #[test]
+    fn a_metrics_namespace_is_one_cloudwatch_accepts() {
+        let config = scheduler(&[DB, QUEUE, ("ROWQ_METRICS_NAMESPACE", "rowq/prod-eu #2")]).unwrap();
+        assert_eq!(config.metrics_namespace.as_deref(), Some("rowq/prod-eu #2"));
+        for bad in ["AWS/SQS", "rowq|prod", &"n".repeat(256)] {
+            let error = scheduler(&[DB, QUEUE, ("ROWQ_METRICS_NAMESPACE", bad)]).unwrap_err();
+            assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_METRICS_NAMESPACE", .. }), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -77,12 +77,32 @@ pub struct Scheduler<P> {
     publisher: P,
     config: SchedulerConfig,
     /// When the cleanup may next be checked ([`Scheduler::check_cleanup`]).
-    cleanup_check_due: std::sync::Mutex<Option<Instant>>,
+    cleanup_check: NotBefore,
+    /// When the metrics may next be reported ([`Scheduler::report_metrics`]).
+    metrics_report: NotBefore,
+}
+
+/// The earliest time something periodic may run again; at first, at once.
+#[derive(Default)]
+struct NotBefore(std::sync::Mutex<Option<Instant>>);
+
+impl NotBefore {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn passed(&self) -> bool {
+        self.slot().is_none_or(|at| Instant::now() >= at)
+    }
+
+    fn wait(&self, interval: Duration) {
+        *self.slot() = Some(Instant::now() + interval);
+    }
 }
 
 impl<P: Publisher> Scheduler<P> {
     pub fn new(pool: PgPool, publisher: P, config: SchedulerConfig) -> Self {
-        Scheduler { pool, publisher, config, cleanup_check_due: std::sync::Mutex::new(None) }
+        Scheduler { pool, publisher, config, cleanup_check: NotBefore::default(), metrics_report: NotBefore::default() }
     }
 
     pub fn publisher(&self) -> &P {
@@ -413,6 +433,7 @@ impl<P: Publisher> Scheduler<P> {
     /// the next.
     async fn maintain(&self) -> bool {
         self.check_cleanup().await;
+        self.report_metrics().await;
         match maintenance::run_once(&self.pool, self.config.retention).await {
             Ok(report) if report.is_empty() => false,
             Ok(report) => {
@@ -435,8 +456,7 @@ impl<P: Publisher> Scheduler<P> {
     /// other at once), and after a warning not again for `cleanup_warn_after`.
     async fn check_cleanup(&self) {
         let Some(after) = self.config.cleanup_warn_after else { return };
-        let due = || self.cleanup_check_due.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if due().is_some_and(|at| Instant::now() < at) {
+        if !self.cleanup_check.passed() {
             return;
         }
         let holders = store::maintenance::cleanup_holders(&self.pool, after).await.unwrap_or_else(|error| {
@@ -444,10 +464,10 @@ impl<P: Publisher> Scheduler<P> {
             Vec::new()
         });
         let Some(oldest) = holders.first() else {
-            *due() = Some(Instant::now() + self.config.maintenance_interval);
+            self.cleanup_check.wait(self.config.maintenance_interval);
             return;
         };
-        *due() = Some(Instant::now() + after);
+        self.cleanup_check.wait(after);
         tracing::warn!(
             holder.pid = oldest.pid,
             holder.open_secs = oldest.open_secs,
@@ -456,6 +476,30 @@ impl<P: Publisher> Scheduler<P> {
             "cleanup held back by {oldest}: every claim re-reads the row versions left since, and dispatch slows \
              down until it ends (README: \"Long transactions\")"
         );
+    }
+
+    /// Prints the queue's gauges as one metrics line ([`crate::metrics`]) when a namespace is
+    /// set, at most once per `maintenance_interval` (passes that leave work follow each other
+    /// at once). Several schedulers of one queue each report the same gauges: alarms read their
+    /// maximum.
+    async fn report_metrics(&self) {
+        let Some(namespace) = &self.config.metrics_namespace else { return };
+        if !self.metrics_report.passed() {
+            return;
+        }
+        self.metrics_report.wait(self.config.maintenance_interval);
+        let line = match store::admin::queue_gauges(&self.pool, &self.config.queue).await {
+            Ok(gauges) => {
+                crate::metrics::emf_line(namespace, &self.config.queue, &gauges, std::time::SystemTime::now())
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, "could not read the queue's gauges for its metrics");
+                return;
+            }
+        };
+        if let Err(error) = crate::metrics::print(&line) {
+            tracing::warn!(error = %error, "could not write the metrics line to stdout");
+        }
     }
 }
 

@@ -28,6 +28,7 @@
 //! - [`dlq`]: the dead-letter handler.
 //! - [`event_source`]: the local stand-in for Lambda's SQS event source mapping.
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished rows.
+//! - [`metrics`]: the scheduler's gauges of its queue as CloudWatch Embedded Metric Format lines.
 //! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
 //! - [`entry`]: what the Lambda binaries and the scheduler run, on a one-thread runtime, compiled
 //!   once here instead of in each binary.
@@ -50,6 +51,7 @@ pub mod event_source;
 pub mod handlers;
 pub mod job;
 pub mod maintenance;
+pub mod metrics;
 pub mod pipeline;
 pub mod secret;
 pub mod sqs;

@@ -177,9 +177,55 @@ async fn queues_create_is_idempotent_and_prints_the_urls() {
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in ["migrate", "enqueue", "status", "list", "stats", "retry", "cancel", "queues", "dev", "demo"] {
+    for sub in ["migrate", "enqueue", "status", "list", "stats", "retry", "cancel", "queues", "dev", "demo", "work"] {
         let output = Command::new(env!("CARGO_BIN_EXE_rowq")).args([sub, "--help"]).output().unwrap();
         assert!(output.status.success(), "rowq {sub} --help failed");
         assert!(stdout(&output).contains("Usage: rowq"), "rowq {sub} --help: {}", stdout(&output));
     }
+}
+
+/// With `ROWQ_METRICS_NAMESPACE` set, the scheduler binary prints its queue's gauges as one
+/// CloudWatch Embedded Metric Format line on stdout, where its logs (stderr) never go.
+#[tokio::test]
+async fn the_scheduler_prints_its_queues_gauges_as_cloudwatch_metrics_on_stdout() {
+    let pool = common::database().await;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, run_at) VALUES
+            ('noop', now() - interval '60 seconds'), ('noop', now()), ('noop', now() + interval '1 hour')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_scheduler"))
+        .arg("--once")
+        .env("DATABASE_URL", common::url_of(&pool))
+        .env("ROWQ_QUEUE_URL", &queues.queue_url)
+        .env("ROWQ_METRICS_NAMESPACE", "rowq/test")
+        .env("ROWQ_LOG_FORMAT", "json")
+        .env("AWS_ENDPOINT_URL", common::endpoint())
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .output()
+        .expect("run the scheduler");
+    assert!(output.status.success(), "scheduler --once failed: {}", stderr(&output));
+    let lines: Vec<Value> = stdout(&output)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}")))
+        .collect();
+    assert_eq!(lines.len(), 1, "one metrics line per maintenance interval: {lines:?}");
+    let line = &lines[0];
+    assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Namespace"], "rowq/test", "{line}");
+    assert_eq!(line["Queue"], "default");
+    // Read before the run's first claim: the two due jobs, the older one due for 60 s.
+    assert_eq!(line["DuePending"], 2, "{line}");
+    let oldest = line["OldestDuePendingSeconds"].as_f64().unwrap();
+    assert!((60.0..90.0).contains(&oldest), "{line}");
+    assert_eq!((line["Dispatched"].as_i64(), line["Running"].as_i64()), (Some(0), Some(0)), "{line}");
+    // Then it dispatched them as usual.
+    let dispatched: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE state = 'dispatched'").fetch_one(&pool).await.unwrap();
+    assert_eq!(dispatched, 2);
 }

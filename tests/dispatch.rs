@@ -1171,3 +1171,46 @@ async fn the_scheduler_warns_of_a_transaction_holding_back_the_cleanup() {
     assert!(line.contains(", open for ") && line.contains("transactions behind"), "{line}");
     assert!(line.contains(&format!("holder.pid={pid}")), "{line}");
 }
+
+/// The gauges the scheduler reports as metrics read its own queue's unfinished rows only, by
+/// state: what is due and how long it has waited, what is dispatched, what is running.
+#[tokio::test]
+async fn a_queues_gauges_count_its_due_dispatched_and_running_jobs_and_the_oldest_wait() {
+    let pool = common::database().await;
+    let empty = admin::queue_gauges(&pool, "default").await.unwrap();
+    assert_eq!(empty, admin::QueueGauges { oldest_due_pending_secs: 0.0, due_pending: 0, dispatched: 0, running: 0 });
+
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, queue, run_at, state) VALUES
+            ('noop', 'default', now() - interval '90 seconds', 'pending'),
+            ('noop', 'default', now(), 'pending'),
+            ('noop', 'default', now() + interval '1 hour', 'pending'),
+            ('noop', 'default', now() - interval '1 day', 'dispatched'),
+            ('noop', 'default', now() - interval '1 day', 'dispatched'),
+            ('noop', 'default', now() - interval '1 day', 'running'),
+            ('noop', 'default', now() - interval '1 day', 'succeeded'),
+            ('noop', 'default', now() - interval '1 day', 'failed'),
+            ('noop', 'other', now() - interval '1 hour', 'pending'),
+            ('noop', 'other', now() - interval '1 hour', 'dispatched'),
+            ('noop', 'other', now() - interval '1 hour', 'running')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
+    assert!((90.0..100.0).contains(&gauges.oldest_due_pending_secs), "{gauges:?}");
+    assert_eq!((gauges.due_pending, gauges.dispatched, gauges.running), (2, 2, 1), "{gauges:?}");
+}
+
+/// A backlog of millions costs the gauges no more than a scan of `GAUGE_COUNT_CAP` entries.
+#[tokio::test]
+async fn the_due_count_of_the_gauges_stops_at_its_cap() {
+    let pool = common::database().await;
+    sqlx::query("INSERT INTO rowq.jobs (kind) SELECT 'noop' FROM generate_series(1, $1)")
+        .bind(admin::GAUGE_COUNT_CAP + 5)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
+    assert_eq!(gauges.due_pending, admin::GAUGE_COUNT_CAP);
+}

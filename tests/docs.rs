@@ -1,5 +1,6 @@
-//! README.md stays true to the binaries: every `rowq` subcommand and every `ROWQ_*` setting the
-//! code reads is documented there. Nothing here needs Postgres or SQS.
+//! The docs and the template stay true to the binaries: README.md names every `rowq` subcommand
+//! and every `ROWQ_*` setting the code reads, and template.yaml alarms only on metrics the
+//! scheduler prints. Nothing here needs Postgres or SQS.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -89,4 +90,30 @@ fn the_readme_documents_every_setting_the_code_reads() {
     let readme = readme();
     let missing: Vec<&String> = settings.iter().filter(|s| !readme.contains(&format!("`{s}`"))).collect();
     assert!(missing.is_empty(), "README.md's configuration does not document {missing:?}");
+}
+
+/// The template's alarms on rowq's own metrics read the namespace the scheduler is given and
+/// names the scheduler prints: a typo in either would leave an alarm on a metric that never
+/// exists (and, missing data breaching, always firing).
+#[test]
+fn the_templates_alarms_read_the_metrics_the_scheduler_prints() {
+    let template = std::fs::read_to_string(root().join("template.yaml")).expect("read template.yaml");
+    let lines: Vec<&str> = template.lines().map(str::trim).collect();
+    let namespace = lines
+        .iter()
+        .find_map(|line| line.strip_prefix("ROWQ_METRICS_NAMESPACE: "))
+        .expect("the scheduler's ROWQ_METRICS_NAMESPACE in template.yaml");
+    let printed: Vec<&str> = rowq::metrics::METRICS.iter().map(|(name, _)| *name).collect();
+    let mut alarmed = Vec::new();
+    for (at, line) in lines.iter().enumerate() {
+        let Some(alarm_namespace) = line.strip_prefix("Namespace: ") else { continue };
+        if alarm_namespace.starts_with("AWS/") {
+            continue;
+        }
+        assert_eq!(alarm_namespace, namespace, "an alarm reads another namespace than the scheduler's");
+        let metric = lines[at + 1].strip_prefix("MetricName: ").expect("MetricName after Namespace");
+        assert!(printed.contains(&metric), "the template alarms on {metric}, which the scheduler does not print");
+        alarmed.push(metric);
+    }
+    assert!(alarmed.contains(&"OldestDuePendingSeconds"), "no alarm on the backlog's age: {alarmed:?}");
 }

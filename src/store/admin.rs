@@ -1,4 +1,5 @@
-//! Operator transitions and reads: enqueue, get, list, cancel, retry, stats.
+//! Operator transitions and reads: enqueue, get, list, cancel, retry, stats, and the gauges the
+//! scheduler reports as metrics.
 
 use std::time::Duration;
 
@@ -258,4 +259,41 @@ pub async fn stats(pool: &PgPool) -> Result<Stats, sqlx::Error> {
     .await?;
     let cleanup_held_by = cleanup_holders(pool, STATS_CLEANUP_HELD_FOR).await?;
     Ok(Stats { counts, oldest_pending_secs, finished_last_minute, cleanup_held_by })
+}
+
+/// [`QueueGauges::due_pending`] counts no further than this, so that a backlog of millions costs
+/// the scheduler's metrics no more than a scan of this many index entries.
+pub const GAUGE_COUNT_CAP: i64 = 100_000;
+
+/// One queue's state as the scheduler reports it in its metrics (`crate::metrics`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueGauges {
+    /// How long the oldest due `pending` job has been due, in seconds; 0 when none is.
+    pub oldest_due_pending_secs: f64,
+    /// `pending` jobs that are due, up to [`GAUGE_COUNT_CAP`].
+    pub due_pending: i64,
+    /// Claimed and published, not yet started by a worker.
+    pub dispatched: i64,
+    pub running: i64,
+}
+
+/// [`QueueGauges`] of `queue`, in one statement. Each part reads a partial index of unfinished
+/// rows (the claim's, the dispatched and the running one), never the finished rows.
+pub async fn queue_gauges(pool: &PgPool, queue: &str) -> Result<QueueGauges, sqlx::Error> {
+    let (oldest_due_pending_secs, due_pending, dispatched, running) = sqlx::query_as(
+        r#"
+        SELECT
+            coalesce((SELECT extract(epoch FROM now() - min(run_at))::float8
+                        FROM rowq.jobs WHERE state = 'pending' AND queue = $1 AND run_at <= now()), 0),
+            (SELECT count(*) FROM (SELECT FROM rowq.jobs
+                                    WHERE state = 'pending' AND queue = $1 AND run_at <= now() LIMIT $2) due),
+            (SELECT count(*) FROM rowq.jobs WHERE state = 'dispatched' AND queue = $1),
+            (SELECT count(*) FROM rowq.jobs WHERE state = 'running' AND queue = $1)
+        "#,
+    )
+    .bind(queue)
+    .bind(GAUGE_COUNT_CAP)
+    .fetch_one(pool)
+    .await?;
+    Ok(QueueGauges { oldest_due_pending_secs, due_pending, dispatched, running })
 }

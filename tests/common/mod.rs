@@ -168,6 +168,7 @@ pub fn scheduler_config(queue_url: &str) -> SchedulerConfig {
         retention: Duration::ZERO,
         drain_for: None,
         cleanup_warn_after: None,
+        metrics_namespace: None,
     }
 }
 
