@@ -95,7 +95,7 @@ impl NotBefore {
         self.slot().is_none_or(|at| Instant::now() >= at)
     }
 
-    fn wait(&self, interval: Duration) {
+    fn defer(&self, interval: Duration) {
         *self.slot() = Some(Instant::now() + interval);
     }
 }
@@ -464,10 +464,10 @@ impl<P: Publisher> Scheduler<P> {
             Vec::new()
         });
         let Some(oldest) = holders.first() else {
-            self.cleanup_check.wait(self.config.maintenance_interval);
+            self.cleanup_check.defer(self.config.maintenance_interval);
             return;
         };
-        self.cleanup_check.wait(after);
+        self.cleanup_check.defer(after);
         tracing::warn!(
             holder.pid = oldest.pid,
             holder.open_secs = oldest.open_secs,
@@ -487,7 +487,7 @@ impl<P: Publisher> Scheduler<P> {
         if !self.metrics_report.passed() {
             return;
         }
-        self.metrics_report.wait(self.config.maintenance_interval);
+        self.metrics_report.defer(self.config.maintenance_interval);
         let line = match store::admin::queue_gauges(&self.pool, &self.config.queue).await {
             Ok(gauges) => {
                 crate::metrics::emf_line(namespace, &self.config.queue, &gauges, std::time::SystemTime::now())

@@ -4,9 +4,9 @@
 //! no SDK call, no permission beyond writing the logs, nothing lost to a metrics agent. The
 //! logs themselves go to stderr, so stdout carries only these lines.
 //!
-//! Only the database knows how long due jobs have waited: a scheduler that stopped, a queue
-//! whose workers all fail, an in-flight cap that is too low all show as
-//! `OldestDuePendingSeconds` growing, and no SQS metric sees a job that was never published.
+//! Only the database knows how long due jobs have waited: a scheduler that stopped, sends that
+//! SQS refuses, an in-flight cap that is too low all show as `OldestDuePendingSeconds` growing,
+//! and no SQS metric sees a job that was never published.
 
 use std::io::Write;
 use std::time::{SystemTime, UNIX_EPOCH};
