@@ -240,14 +240,7 @@ impl SchedulerConfig {
     }
 
     pub fn from(env: &Env<'_>) -> Result<Self, ConfigError> {
-        let queue = env.optional("ROWQ_QUEUE").unwrap_or_else(|| DEFAULT_QUEUE.to_string());
-        if queue.len() > 64 || !queue.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c)) {
-            return Err(ConfigError::Invalid {
-                name: "ROWQ_QUEUE",
-                value: queue,
-                reason: "must be 1-64 characters of A-Z a-z 0-9 _ . -".into(),
-            });
-        }
+        let queue = queue_name(env)?;
         Ok(SchedulerConfig {
             database: DatabaseConfig::from(env, DEFAULT_SCHEDULER_POOL_SIZE)?,
             queue_url: queue_url(env, "ROWQ_QUEUE_URL")?,
@@ -271,6 +264,19 @@ impl SchedulerConfig {
             metrics_namespace: metrics_namespace(env)?,
         })
     }
+}
+
+/// `ROWQ_QUEUE`: the `queue` column value a scheduler serves (and a worker's metrics name).
+fn queue_name(env: &Env<'_>) -> Result<String, ConfigError> {
+    let queue = env.optional("ROWQ_QUEUE").unwrap_or_else(|| DEFAULT_QUEUE.to_string());
+    if queue.len() > 64 || !queue.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c)) {
+        return Err(ConfigError::Invalid {
+            name: "ROWQ_QUEUE",
+            value: queue,
+            reason: "must be 1-64 characters of A-Z a-z 0-9 _ . -".into(),
+        });
+    }
+    Ok(queue)
 }
 
 /// `ROWQ_METRICS_NAMESPACE`, checked against CloudWatch's rules for a namespace, which would
@@ -313,6 +319,17 @@ pub struct WorkerConfig {
     pub rescue_grace: Duration,
     pub backoff_base: Duration,
     pub backoff_max: Duration,
+    /// Where to report what each batch did ([`crate::metrics::Tally`]); `None` reports nothing.
+    pub metrics: Option<MetricsTarget>,
+}
+
+/// A worker's metrics: `ROWQ_METRICS_NAMESPACE`, and `ROWQ_QUEUE` as their `Queue` dimension
+/// (a worker runs whatever its SQS queue delivers; the name only labels its metrics, to match
+/// the scheduler's of the same queue).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsTarget {
+    pub namespace: String,
+    pub queue: String,
 }
 
 impl WorkerConfig {
@@ -328,6 +345,10 @@ impl WorkerConfig {
             rescue_grace: env.secs("ROWQ_RESCUE_GRACE_SECS", DEFAULT_RESCUE_GRACE_SECS, 0..=3600)?,
             backoff_base: env.millis("ROWQ_BACKOFF_BASE_MS", DEFAULT_BACKOFF_BASE_MS, 1..=3_600_000)?,
             backoff_max: env.secs("ROWQ_BACKOFF_MAX_SECS", DEFAULT_BACKOFF_MAX_SECS, 1..=7 * 86_400)?,
+            metrics: match metrics_namespace(env)? {
+                Some(namespace) => Some(MetricsTarget { namespace, queue: queue_name(env)? }),
+                None => None,
+            },
         };
         if config.backoff_max < config.backoff_base {
             return Err(ConfigError::Invalid {
@@ -471,6 +492,22 @@ mod tests {
         let lookup = move |name: &str| vars.get(name).cloned();
         let error = WorkerConfig::from(&Env::new(&lookup)).unwrap_err();
         assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_BACKOFF_MAX_SECS", .. }));
+    }
+
+    #[test]
+    fn a_worker_reports_metrics_only_with_a_namespace_and_names_them_by_its_queue() {
+        let worker = |pairs: &[(&str, &str)]| {
+            let vars = env_of(pairs);
+            let lookup = move |name: &str| vars.get(name).cloned();
+            WorkerConfig::from(&Env::new(&lookup))
+        };
+        assert_eq!(worker(&[DB, ("ROWQ_QUEUE", "emails")]).unwrap().metrics, None);
+        let target = worker(&[DB, ("ROWQ_METRICS_NAMESPACE", "rowq/prod")]).unwrap().metrics;
+        assert_eq!(target, Some(MetricsTarget { namespace: "rowq/prod".into(), queue: DEFAULT_QUEUE.into() }));
+        let target = worker(&[DB, ("ROWQ_METRICS_NAMESPACE", "rowq/prod"), ("ROWQ_QUEUE", "emails")]).unwrap().metrics;
+        assert_eq!(target.map(|t| t.queue).as_deref(), Some("emails"));
+        let error = worker(&[DB, ("ROWQ_METRICS_NAMESPACE", "rowq/prod"), ("ROWQ_QUEUE", "no queue")]).unwrap_err();
+        assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_QUEUE", .. }));
     }
 
     #[test]

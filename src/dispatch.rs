@@ -490,7 +490,7 @@ impl<P: Publisher> Scheduler<P> {
         self.metrics_report.defer(self.config.maintenance_interval);
         let line = match store::admin::queue_gauges(&self.pool, &self.config.queue).await {
             Ok(gauges) => {
-                crate::metrics::emf_line(namespace, &self.config.queue, &gauges, std::time::SystemTime::now())
+                crate::metrics::gauges_line(namespace, &self.config.queue, &gauges, std::time::SystemTime::now())
             }
             Err(error) => {
                 tracing::warn!(error = %error, "could not read the queue's gauges for its metrics");

@@ -28,6 +28,7 @@ use crate::combine::{self, Combiner};
 use crate::config::WorkerConfig;
 use crate::handlers::{JobContext, Registry, catching_panics};
 use crate::job::{JobError, JobId, JobMessage};
+use crate::metrics::Tally;
 use crate::store::kept::{self, KeptConnections};
 use crate::store::run::{self, Done, Finish, Finished, Outcome, StartRequest, Started, Step};
 
@@ -150,6 +151,7 @@ impl Worker {
             return batch_response(Vec::new()); // nothing to fence: no lane is started for it
         }
         let steps = self.lane(poller);
+        let mut tally = Tally::default();
         let mut failures: Vec<String> = Vec::new();
         let mut cursors = vec![0usize; groups.len()];
         let mut failed_groups = vec![false; groups.len()];
@@ -169,7 +171,7 @@ impl Worker {
             }
             let last = groups.iter().enumerate().all(|(g, records)| failed_groups[g] || cursors[g] >= records.len());
             let ran = if last { ran.take() } else { None };
-            for failed in self.run_round(steps, &round, deadline, ran).await {
+            for failed in self.run_round(steps, &round, deadline, ran, &mut tally).await {
                 failed_groups[failed] = true;
             }
         }
@@ -180,7 +182,19 @@ impl Worker {
                 failures.extend(records[first_failed..].iter().map(|r| r.message_id.clone()));
             }
         }
+        tally.returned = failures.len() as u32;
+        self.report(&tally);
         batch_response(failures)
+    }
+
+    /// Prints the batch's [`Tally`] as one metrics line ([`crate::metrics`]) when metrics are
+    /// configured.
+    fn report(&self, tally: &Tally) {
+        let Some(target) = &self.config.metrics else { return };
+        let line = crate::metrics::outcomes_line(&target.namespace, &target.queue, tally, SystemTime::now());
+        if let Err(error) = crate::metrics::print(&line) {
+            tracing::warn!(error = %error, "could not write the metrics line to stdout");
+        }
     }
 
     /// Fences, runs and finishes one record per group, saying on `ran` when the handlers have
@@ -191,6 +205,7 @@ impl Worker {
         round: &[(usize, Record)],
         deadline: Instant,
         ran: Option<oneshot::Sender<()>>,
+        tally: &mut Tally,
     ) -> Vec<usize> {
         let left = deadline.saturating_duration_since(Instant::now());
         let remaining = left.saturating_sub(self.config.deadline_margin);
@@ -232,18 +247,21 @@ impl Worker {
                     group_of.insert(record.message_id.clone(), *g);
                     runs.push(self.execute(record.clone(), job, deadline));
                 }
-                None => tracing::info!(
-                    job.id = record.message.job_id.0, job.dispatch_gen = record.message.dispatch_gen,
-                    sqs.message_id = %record.message_id,
-                    "stale or duplicate message acknowledged: the job is not waiting for this generation"
-                ),
+                None => {
+                    tally.stale += 1;
+                    tracing::info!(
+                        job.id = record.message.job_id.0, job.dispatch_gen = record.message.dispatch_gen,
+                        sqs.message_id = %record.message_id,
+                        "stale or duplicate message acknowledged: the job is not waiting for this generation"
+                    )
+                }
             }
         }
         let executions = futures::future::join_all(runs).await;
         if let Some(ran) = ran {
             let _ = ran.send(());
         }
-        let failed_records = self.record_outcomes(steps, executions).await;
+        let failed_records = self.record_outcomes(steps, executions, tally).await;
         failed_records.iter().filter_map(|id| group_of.get(id).copied()).collect()
     }
 
@@ -314,7 +332,12 @@ impl Worker {
 
     /// Records the outcomes not yet recorded in one statement, and logs every outcome.
     /// Returns the message ids whose outcome could not be recorded.
-    async fn record_outcomes(&self, steps: &Combiner<Step, Done>, executions: Vec<Execution>) -> Vec<String> {
+    async fn record_outcomes(
+        &self,
+        steps: &Combiner<Step, Done>,
+        executions: Vec<Execution>,
+        tally: &mut Tally,
+    ) -> Vec<String> {
         let mut failed = Vec::new();
         let mut finished: Vec<&Execution> = Vec::new();
         let (pending, done): (Vec<&Execution>, Vec<&Execution>) =
@@ -328,7 +351,7 @@ impl Worker {
                     if recorded.contains(&execution.job.execution()) {
                         finished.push(execution);
                     } else {
-                        log_superseded(execution);
+                        log_superseded(execution, tally);
                     }
                 }
             }
@@ -340,7 +363,7 @@ impl Worker {
         for execution in done {
             match &execution.recorded {
                 Recorded::Committed => finished.push(execution),
-                Recorded::Superseded => log_superseded(execution),
+                Recorded::Superseded => log_superseded(execution, tally),
                 Recorded::Failed(error) => {
                     tracing::error!(error = %error, job.id = execution.job.id.0, "could not commit the job's transaction; the record will be redelivered");
                     failed.push(execution.record.message_id.clone());
@@ -350,7 +373,7 @@ impl Worker {
         }
 
         for execution in &finished {
-            log_finished(execution);
+            log_finished(execution, tally);
         }
         let group_moved =
             finished.iter().any(|e| e.job.group_key.is_some() && !matches!(e.outcome, Outcome::RetryLater { .. }));
@@ -366,8 +389,14 @@ fn finish_of(job: &Started, outcome: &Outcome) -> Finish {
     Finish { id: job.id, dispatch_gen: job.dispatch_gen, attempt: job.attempt, outcome: outcome.clone() }
 }
 
-fn log_finished(execution: &Execution) {
+fn log_finished(execution: &Execution, tally: &mut Tally) {
     let job = &execution.job;
+    let count = match execution.outcome {
+        Outcome::Succeeded { .. } => &mut tally.succeeded,
+        Outcome::RetryLater { .. } => &mut tally.retried,
+        Outcome::Failed { .. } => &mut tally.failed,
+    };
+    *count += 1;
     match &execution.outcome {
         Outcome::Succeeded { .. } => tracing::info!(
             job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
@@ -385,7 +414,8 @@ fn log_finished(execution: &Execution) {
     }
 }
 
-fn log_superseded(execution: &Execution) {
+fn log_superseded(execution: &Execution, tally: &mut Tally) {
+    tally.superseded += 1;
     tracing::warn!(
         job.id = execution.job.id.0,
         job.attempt = execution.job.attempt,

@@ -10,16 +10,44 @@ use rowq::{Registry, Worker};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-fn rowq(pool: &PgPool, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rowq"))
-        .args(["--database-url", &common::url_of(pool)])
-        .args(args)
+/// `binary` with the database and LocalStack's endpoint and credentials in its environment.
+fn command(binary: &str, pool: &PgPool) -> Command {
+    let mut command = Command::new(binary);
+    command
+        .env("DATABASE_URL", common::url_of(pool))
         .env("AWS_ENDPOINT_URL", common::endpoint())
         .env("AWS_REGION", "us-east-1")
         .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test");
+    command
+}
+
+fn rowq(pool: &PgPool, args: &[&str]) -> Output {
+    command(env!("CARGO_BIN_EXE_rowq"), pool)
+        .args(["--database-url", &common::url_of(pool)])
+        .args(args)
         .output()
         .expect("run rowq")
+}
+
+/// Runs `scheduler --once` publishing to `queue_url`, with `env` added; expects success.
+fn schedule_once(pool: &PgPool, queue_url: &str, env: &[(&str, &str)]) -> Output {
+    let output = command(env!("CARGO_BIN_EXE_scheduler"), pool)
+        .arg("--once")
+        .env("ROWQ_QUEUE_URL", queue_url)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run the scheduler");
+    assert!(output.status.success(), "scheduler --once failed: {}", stderr(&output));
+    output
+}
+
+/// The JSON lines a binary printed on stdout (its metrics; its logs are on stderr).
+fn json_lines(output: &Output) -> Vec<Value> {
+    stdout(output)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}")))
+        .collect()
 }
 
 fn stdout(output: &Output) -> String {
@@ -198,23 +226,8 @@ async fn the_scheduler_prints_its_queues_gauges_as_cloudwatch_metrics_on_stdout(
     .execute(&pool)
     .await
     .unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_scheduler"))
-        .arg("--once")
-        .env("DATABASE_URL", common::url_of(&pool))
-        .env("ROWQ_QUEUE_URL", &queues.queue_url)
-        .env("ROWQ_METRICS_NAMESPACE", "rowq/test")
-        .env("ROWQ_LOG_FORMAT", "json")
-        .env("AWS_ENDPOINT_URL", common::endpoint())
-        .env("AWS_REGION", "us-east-1")
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .output()
-        .expect("run the scheduler");
-    assert!(output.status.success(), "scheduler --once failed: {}", stderr(&output));
-    let lines: Vec<Value> = stdout(&output)
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}")))
-        .collect();
+    let output = schedule_once(&pool, &queues.queue_url, &[("ROWQ_METRICS_NAMESPACE", "rowq/test")]);
+    let lines = json_lines(&output);
     assert_eq!(lines.len(), 1, "one metrics line per maintenance interval: {lines:?}");
     let line = &lines[0];
     assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Namespace"], "rowq/test", "{line}");
@@ -228,4 +241,86 @@ async fn the_scheduler_prints_its_queues_gauges_as_cloudwatch_metrics_on_stdout(
     let dispatched: i64 =
         sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE state = 'dispatched'").fetch_one(&pool).await.unwrap();
     assert_eq!(dispatched, 2);
+}
+
+/// With `ROWQ_METRICS_NAMESPACE` set, a worker prints what each batch did as one metrics line:
+/// `rowq work` runs a success, a failure with attempts left and a permanent failure, and
+/// acknowledges a message for a generation no job is waiting for.
+#[tokio::test]
+async fn a_worker_prints_what_each_batch_did_as_cloudwatch_metrics_on_stdout() {
+    let pool = common::database().await;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    sqlx::query(
+        r#"INSERT INTO rowq.jobs (kind, payload) VALUES ('noop', '{}'), ('fail', '{"times": 1}'), ('fail', '{}')"#,
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    schedule_once(&pool, &queues.queue_url, &[]);
+    let stale = [(rowq::JobId(1), 7)];
+    assert_eq!(common::send_job_messages(&client, &queues.queue_url, &stale, "stale").await, Ok(1));
+
+    let worker = command(env!("CARGO_BIN_EXE_rowq"), &pool)
+        .arg("work")
+        .env("ROWQ_QUEUE_URL", &queues.queue_url)
+        .env("ROWQ_METRICS_NAMESPACE", "rowq/test")
+        .env("ROWQ_QUEUE", "emails")
+        .env("ROWQ_WAIT_SECS", "1")
+        .env("ROWQ_BACKOFF_BASE_MS", "60000")
+        .env("ROWQ_BACKOFF_MAX_SECS", "60")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start rowq work");
+    let started = std::time::Instant::now();
+    let finished = loop {
+        let counts: (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE state IN ('succeeded', 'failed')),
+                    count(*) FILTER (WHERE state = 'pending' AND attempts = 1)
+             FROM rowq.jobs",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        // Every message handled and deleted, the stale one too.
+        let attributes = client
+            .get_queue_attributes()
+            .queue_url(&queues.queue_url)
+            .attribute_names(aws_sdk_sqs::types::QueueAttributeName::All)
+            .send()
+            .await
+            .unwrap();
+        let waiting = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
+            .map(|name| attributes.attributes().and_then(|all| all.get(&name.into())).map(String::as_str) == Some("0"));
+        if (counts == (2, 1) && waiting == [true, true]) || started.elapsed() > Duration::from_secs(30) {
+            break counts;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut worker = worker;
+    worker.kill().expect("stop rowq work");
+    let output = worker.wait_with_output().expect("rowq work's output");
+    assert_eq!(finished, (2, 1), "the jobs did not run: {}", stderr(&output));
+
+    let lines = json_lines(&output);
+    assert!(!lines.is_empty(), "no metrics line: {}", stderr(&output));
+    let total = |name: &str| lines.iter().map(|line| line[name].as_u64().unwrap_or(0)).sum::<u64>();
+    let totals: Vec<(&str, u64)> = rowq::metrics::OUTCOMES.iter().map(|(name, _)| (*name, total(name))).collect();
+    assert_eq!(
+        totals,
+        [
+            ("JobsSucceeded", 1),
+            ("JobsRetried", 1),
+            ("JobsFailed", 1),
+            ("JobsSuperseded", 0),
+            ("MessagesStale", 1),
+            ("MessagesReturned", 0)
+        ],
+        "{lines:?}"
+    );
+    for line in &lines {
+        assert_eq!(line["Queue"], "emails", "{line}");
+        assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Namespace"], "rowq/test", "{line}");
+    }
 }

@@ -94,16 +94,18 @@ fn the_readme_documents_every_setting_the_code_reads() {
 
 /// The template's alarms on rowq's own metrics read the namespace the scheduler is given and
 /// names the scheduler prints: a typo in either would leave an alarm on a metric that never
-/// exists (and, missing data breaching, always firing).
+/// exists (and, missing data breaching, always firing). The scheduler and the worker report under
+/// one namespace.
 #[test]
 fn the_templates_alarms_read_the_metrics_the_scheduler_prints() {
     let template = std::fs::read_to_string(root().join("template.yaml")).expect("read template.yaml");
     let lines: Vec<&str> = template.lines().map(str::trim).collect();
-    let namespace = lines
-        .iter()
-        .find_map(|line| line.strip_prefix("ROWQ_METRICS_NAMESPACE: "))
-        .expect("the scheduler's ROWQ_METRICS_NAMESPACE in template.yaml");
-    let printed: Vec<&str> = rowq::metrics::METRICS.iter().map(|(name, _)| *name).collect();
+    let namespaces: Vec<&str> = lines.iter().filter_map(|line| line.strip_prefix("ROWQ_METRICS_NAMESPACE: ")).collect();
+    assert_eq!(namespaces.len(), 2, "the scheduler and the worker each set ROWQ_METRICS_NAMESPACE");
+    assert_eq!(namespaces[0], namespaces[1], "the scheduler and the worker report under two namespaces");
+    let namespace = namespaces[0];
+    let printed: Vec<&str> =
+        rowq::metrics::GAUGES.iter().chain(&rowq::metrics::OUTCOMES).map(|(name, _)| *name).collect();
     let mut alarmed = Vec::new();
     for (at, line) in lines.iter().enumerate() {
         let Some(alarm_namespace) = line.strip_prefix("Namespace: ") else { continue };

@@ -180,6 +180,7 @@ pub fn worker_config() -> WorkerConfig {
         rescue_grace: Duration::from_secs(1),
         backoff_base: Duration::from_millis(100),
         backoff_max: Duration::from_secs(1),
+        metrics: None,
     }
 }
 
