@@ -14,6 +14,8 @@
 //!   Batches handled at the same time by one process (the local runner's pollers) share those
 //!   statements, one batch's finish going with another's fence ([`crate::combine`],
 //!   [`run::step`]), in one of [`LANES`] chains of statements chosen by the batch's poller.
+//! - With `ROWQ_METRICS_NAMESPACE` set, each batch ends with one metrics line of what it did
+//!   ([`crate::metrics::Tally`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
@@ -183,13 +185,13 @@ impl Worker {
             }
         }
         tally.returned = failures.len() as u32;
-        self.report(&tally);
+        self.print_metrics(&tally);
         batch_response(failures)
     }
 
     /// Prints the batch's [`Tally`] as one metrics line ([`crate::metrics`]) when metrics are
     /// configured.
-    fn report(&self, tally: &Tally) {
+    fn print_metrics(&self, tally: &Tally) {
         let Some(target) = &self.config.metrics else { return };
         let line = crate::metrics::outcomes_line(&target.namespace, &target.queue, tally, SystemTime::now());
         if let Err(error) = crate::metrics::print(&line) {
@@ -330,7 +332,7 @@ impl Worker {
         kinds.join(", ")
     }
 
-    /// Records the outcomes not yet recorded in one statement, and logs every outcome.
+    /// Records the outcomes not yet recorded in one statement, and logs and counts every outcome.
     /// Returns the message ids whose outcome could not be recorded.
     async fn record_outcomes(
         &self,
@@ -351,7 +353,7 @@ impl Worker {
                     if recorded.contains(&execution.job.execution()) {
                         finished.push(execution);
                     } else {
-                        log_superseded(execution, tally);
+                        report_superseded(execution, tally);
                     }
                 }
             }
@@ -363,7 +365,7 @@ impl Worker {
         for execution in done {
             match &execution.recorded {
                 Recorded::Committed => finished.push(execution),
-                Recorded::Superseded => log_superseded(execution, tally),
+                Recorded::Superseded => report_superseded(execution, tally),
                 Recorded::Failed(error) => {
                     tracing::error!(error = %error, job.id = execution.job.id.0, "could not commit the job's transaction; the record will be redelivered");
                     failed.push(execution.record.message_id.clone());
@@ -373,7 +375,7 @@ impl Worker {
         }
 
         for execution in &finished {
-            log_finished(execution, tally);
+            report_finished(execution, tally);
         }
         let group_moved =
             finished.iter().any(|e| e.job.group_key.is_some() && !matches!(e.outcome, Outcome::RetryLater { .. }));
@@ -389,7 +391,8 @@ fn finish_of(job: &Started, outcome: &Outcome) -> Finish {
     Finish { id: job.id, dispatch_gen: job.dispatch_gen, attempt: job.attempt, outcome: outcome.clone() }
 }
 
-fn log_finished(execution: &Execution, tally: &mut Tally) {
+/// Logs a recorded outcome and counts it in the batch's `tally`.
+fn report_finished(execution: &Execution, tally: &mut Tally) {
     let job = &execution.job;
     let count = match execution.outcome {
         Outcome::Succeeded { .. } => &mut tally.succeeded,
@@ -414,7 +417,8 @@ fn log_finished(execution: &Execution, tally: &mut Tally) {
     }
 }
 
-fn log_superseded(execution: &Execution, tally: &mut Tally) {
+/// Logs an execution whose outcome was discarded and counts it in the batch's `tally`.
+fn report_superseded(execution: &Execution, tally: &mut Tally) {
     tally.superseded += 1;
     tracing::warn!(
         job.id = execution.job.id.0,

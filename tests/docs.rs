@@ -1,6 +1,6 @@
 //! The docs and the template stay true to the binaries: README.md names every `rowq` subcommand
 //! and every `ROWQ_*` setting the code reads, and template.yaml alarms only on metrics the
-//! scheduler prints. Nothing here needs Postgres or SQS.
+//! scheduler or the worker prints. Nothing here needs Postgres or SQS.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -92,12 +92,11 @@ fn the_readme_documents_every_setting_the_code_reads() {
     assert!(missing.is_empty(), "README.md's configuration does not document {missing:?}");
 }
 
-/// The template's alarms on rowq's own metrics read the namespace the scheduler is given and
-/// names the scheduler prints: a typo in either would leave an alarm on a metric that never
-/// exists (and, missing data breaching, always firing). The scheduler and the worker report under
-/// one namespace.
+/// The template's alarms on rowq's own metrics read the namespace the scheduler and the worker
+/// are given, one for both, and names they print: a typo in either would leave an alarm on a
+/// metric that never exists (and, missing data breaching, always firing).
 #[test]
-fn the_templates_alarms_read_the_metrics_the_scheduler_prints() {
+fn the_templates_alarms_read_the_metrics_rowq_prints() {
     let template = std::fs::read_to_string(root().join("template.yaml")).expect("read template.yaml");
     let lines: Vec<&str> = template.lines().map(str::trim).collect();
     let namespaces: Vec<&str> = lines.iter().filter_map(|line| line.strip_prefix("ROWQ_METRICS_NAMESPACE: ")).collect();
