@@ -21,13 +21,14 @@ pub const GAUGES: [(&str, &str); 4] =
     [("OldestDuePendingSeconds", "Seconds"), ("DuePending", "Count"), ("Dispatched", "Count"), ("Running", "Count")];
 
 /// The worker's metrics, in the order of [`Tally`]'s fields: name and unit.
-pub const OUTCOMES: [(&str, &str); 6] = [
+pub const OUTCOMES: [(&str, &str); 7] = [
     ("JobsSucceeded", "Count"),
     ("JobsRetried", "Count"),
     ("JobsFailed", "Count"),
     ("JobsSuperseded", "Count"),
     ("MessagesStale", "Count"),
     ("MessagesReturned", "Count"),
+    ("MessagesMalformed", "Count"),
 ];
 
 /// What one batch did, for the worker's metrics line.
@@ -41,11 +42,15 @@ pub struct Tally {
     pub failed: u32,
     /// Executions whose outcome was discarded: the job was rescued or taken over meanwhile.
     pub superseded: u32,
-    /// Messages acknowledged without running: a stale generation or a duplicate.
+    /// Messages acknowledged without running: a stale generation, or a duplicate.
     pub stale: u32,
     /// Messages reported to SQS as failed, for redelivery: the database was unreachable, or
     /// the invocation had no time left.
     pub returned: u32,
+    /// Messages acknowledged and dropped because they are no rowq job message: a body that does
+    /// not parse, or no message id. The scheduler never sends one; something else wrote to the
+    /// queue.
+    pub malformed: u32,
 }
 
 /// One EMF line: `values` (in the order of `metrics`) of `queue` under `namespace`, with the
@@ -85,7 +90,8 @@ pub fn gauges_line(namespace: &str, queue: &str, gauges: &QueueGauges, at: Syste
 
 /// The worker's line: what one batch did.
 pub fn outcomes_line(namespace: &str, queue: &str, tally: &Tally, at: SystemTime) -> String {
-    let values = [tally.succeeded, tally.retried, tally.failed, tally.superseded, tally.stale, tally.returned];
+    let values =
+        [tally.succeeded, tally.retried, tally.failed, tally.superseded, tally.stale, tally.returned, tally.malformed];
     line(namespace, queue, at, &OUTCOMES, values.map(|count| json!(count)))
 }
 
@@ -136,9 +142,9 @@ mod tests {
 
     #[test]
     fn an_outcomes_line_carries_each_count_under_its_name() {
-        let tally = Tally { succeeded: 1, retried: 2, failed: 3, superseded: 4, stale: 5, returned: 6 };
+        let tally = Tally { succeeded: 1, retried: 2, failed: 3, superseded: 4, stale: 5, returned: 6, malformed: 7 };
         let line = checked(&outcomes_line("rowq/prod", "emails", &tally, UNIX_EPOCH + AT), &OUTCOMES);
         let counts: Vec<u64> = OUTCOMES.iter().map(|(name, _)| line[*name].as_u64().unwrap()).collect();
-        assert_eq!(counts, [1, 2, 3, 4, 5, 6]);
+        assert_eq!(counts, [1, 2, 3, 4, 5, 6, 7]);
     }
 }

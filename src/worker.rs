@@ -148,12 +148,13 @@ impl Worker {
         poller: usize,
         mut ran: Option<oneshot::Sender<()>>,
     ) -> SqsBatchResponse {
-        let groups = group_records(event.records);
+        let mut tally = Tally::default();
+        let groups = group_records(event.records, &mut tally);
         if groups.is_empty() {
+            self.print_metrics(&tally);
             return batch_response(Vec::new()); // nothing to fence: no lane is started for it
         }
         let steps = self.lane(poller);
-        let mut tally = Tally::default();
         let mut failures: Vec<String> = Vec::new();
         let mut cursors = vec![0usize; groups.len()];
         let mut failed_groups = vec![false; groups.len()];
@@ -431,15 +432,17 @@ fn report_superseded(execution: &Execution, tally: &mut Tally) {
 /// Decodes records, drops the ones that can never be valid (logged), and groups the rest by
 /// `MessageGroupId` in arrival order. A second record for the same job generation in one batch
 /// is a duplicate and is acknowledged.
-fn group_records(records: Vec<SqsMessage>) -> Vec<Vec<Record>> {
+fn group_records(records: Vec<SqsMessage>, tally: &mut Tally) -> Vec<Vec<Record>> {
     let mut groups: Vec<Vec<Record>> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut seen: HashSet<(JobId, i64)> = HashSet::new();
     for raw in records {
         let Some((message_id, message)) = decode_record(&raw) else {
+            tally.malformed += 1;
             continue;
         };
         if !seen.insert((message.job_id, message.dispatch_gen)) {
+            tally.stale += 1;
             tracing::info!(sqs.message_id = %message_id, job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, "duplicate message in batch acknowledged");
             continue;
         }
@@ -582,28 +585,38 @@ mod tests {
 
     #[test]
     fn records_are_grouped_by_message_group_in_arrival_order() {
-        let groups = group_records(vec![
-            record("a", Some("g1"), &body(1, 1)),
-            record("b", Some("g2"), &body(2, 1)),
-            record("c", Some("g1"), &body(3, 1)),
-            record("d", None, &body(4, 1)),
-            record("e", None, &body(5, 1)),
-        ]);
+        let mut tally = Tally::default();
+        let groups = group_records(
+            vec![
+                record("a", Some("g1"), &body(1, 1)),
+                record("b", Some("g2"), &body(2, 1)),
+                record("c", Some("g1"), &body(3, 1)),
+                record("d", None, &body(4, 1)),
+                record("e", None, &body(5, 1)),
+            ],
+            &mut tally,
+        );
+        assert_eq!(tally, Tally::default());
         let ids: Vec<Vec<&str>> = groups.iter().map(|g| g.iter().map(|r| r.message_id.as_str()).collect()).collect();
         assert_eq!(ids, vec![vec!["a", "c"], vec!["b"], vec!["d"], vec!["e"]]);
     }
 
     #[test]
-    fn malformed_and_duplicate_records_are_dropped_before_grouping() {
-        let groups = group_records(vec![
-            record("a", Some("g1"), "not json"),
-            record("b", Some("g1"), &body(1, 1)),
-            record("c", Some("g1"), &body(1, 1)),
-            record("d", Some("g1"), &body(1, 2)),
-            record("e", Some("g1"), r#"{"v":9,"job_id":1,"dispatch_gen":1}"#),
-        ]);
+    fn malformed_and_duplicate_records_are_dropped_before_grouping_and_counted() {
+        let mut tally = Tally::default();
+        let groups = group_records(
+            vec![
+                record("a", Some("g1"), "not json"),
+                record("b", Some("g1"), &body(1, 1)),
+                record("c", Some("g1"), &body(1, 1)),
+                record("d", Some("g1"), &body(1, 2)),
+                record("e", Some("g1"), r#"{"v":9,"job_id":1,"dispatch_gen":1}"#),
+            ],
+            &mut tally,
+        );
         let ids: Vec<&str> = groups.iter().flatten().map(|r| r.message_id.as_str()).collect();
         assert_eq!(ids, vec!["b", "d"]);
+        assert_eq!((tally.malformed, tally.stale), (2, 1));
     }
 
     #[test]

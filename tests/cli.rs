@@ -245,7 +245,7 @@ async fn the_scheduler_prints_its_queues_gauges_as_cloudwatch_metrics_on_stdout(
 
 /// With `ROWQ_METRICS_NAMESPACE` set, a worker prints what each batch did as one metrics line:
 /// `rowq work` runs a success, a failure with attempts left and a permanent failure, and
-/// acknowledges a message for a generation no job is waiting for.
+/// acknowledges a message for a generation no job is waiting for and one that is no rowq message.
 #[tokio::test]
 async fn a_worker_prints_what_each_batch_did_as_cloudwatch_metrics_on_stdout() {
     let pool = common::database().await;
@@ -260,6 +260,15 @@ async fn a_worker_prints_what_each_batch_did_as_cloudwatch_metrics_on_stdout() {
     schedule_once(&pool, &queues.queue_url, &[]);
     let stale = [(rowq::JobId(1), 7)];
     assert_eq!(common::send_job_messages(&client, &queues.queue_url, &stale, "stale").await, Ok(1));
+    client
+        .send_message()
+        .queue_url(&queues.queue_url)
+        .message_body("not a rowq message")
+        .message_group_id("junk")
+        .message_deduplication_id("junk")
+        .send()
+        .await
+        .expect("send a malformed message");
 
     let worker = command(env!("CARGO_BIN_EXE_rowq"), &pool)
         .arg("work")
@@ -315,7 +324,8 @@ async fn a_worker_prints_what_each_batch_did_as_cloudwatch_metrics_on_stdout() {
             ("JobsFailed", 1),
             ("JobsSuperseded", 0),
             ("MessagesStale", 1),
-            ("MessagesReturned", 0)
+            ("MessagesReturned", 0),
+            ("MessagesMalformed", 1)
         ],
         "{lines:?}"
     );
