@@ -1,6 +1,7 @@
 //! The docs and the template stay true to the binaries: README.md names every `rowq` subcommand
 //! and every `ROWQ_*` setting the code reads, and template.yaml alarms only on metrics the
-//! scheduler or the worker prints. Nothing here needs Postgres or SQS.
+//! scheduler or the worker prints, and graphs them all on a dashboard whose body is JSON.
+//! Nothing here needs Postgres or SQS.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -117,4 +118,39 @@ fn the_templates_alarms_read_the_metrics_rowq_prints() {
         alarmed.push(metric);
     }
     assert!(alarmed.contains(&"OldestDuePendingSeconds"), "no alarm on the backlog's age: {alarmed:?}");
+}
+
+/// The dashboard's body is JSON once CloudFormation substitutes its `${…}` (nothing checks it
+/// before a deploy otherwise), and its graphs of rowq's own metrics name metrics rowq prints.
+#[test]
+fn the_templates_dashboard_is_json_and_graphs_the_metrics_rowq_prints() {
+    let template = std::fs::read_to_string(root().join("template.yaml")).expect("read template.yaml");
+    let mut lines = template.lines().skip_while(|line| !line.trim_start().starts_with("DashboardBody: !Sub |"));
+    let indent = |line: &str| line.len() - line.trim_start().len();
+    let header = lines.next().expect("a DashboardBody in template.yaml");
+    let body: Vec<&str> = lines.take_while(|line| line.trim().is_empty() || indent(line) > indent(header)).collect();
+    // `${AWS::Region}`, `${RowqQueue}`, … each stand for a string.
+    let mut text = body.join("\n");
+    while let Some(start) = text.find("${") {
+        let end = start + text[start..].find('}').expect("a closed ${…}");
+        text.replace_range(start..=end, "x");
+    }
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("the dashboard is not JSON ({e}):\n{text}"));
+    let printed: Vec<&str> =
+        rowq::metrics::GAUGES.iter().chain(&rowq::metrics::OUTCOMES).map(|(name, _)| *name).collect();
+    let mut graphed = Vec::new();
+    for widget in dashboard["widgets"].as_array().expect("widgets") {
+        for metric in widget["properties"]["metrics"].as_array().expect("metrics") {
+            if metric[0] == "rowq/x" {
+                let name = metric[1].as_str().expect("a metric name");
+                assert!(printed.contains(&name), "the dashboard graphs {name}, which rowq does not print");
+                graphed.push(name);
+            }
+        }
+    }
+    graphed.sort_unstable();
+    let mut all = printed.clone();
+    all.sort_unstable();
+    assert_eq!(graphed, all, "the dashboard graphs every metric rowq prints");
 }
