@@ -151,7 +151,9 @@ impl Worker {
         let mut tally = Tally::default();
         let groups = group_records(event.records, &mut tally);
         if groups.is_empty() {
-            self.print_metrics(&tally);
+            if tally != Tally::default() {
+                self.print_metrics(&tally); // a batch of nothing but malformed or duplicate records
+            }
             return batch_response(Vec::new()); // nothing to fence: no lane is started for it
         }
         let steps = self.lane(poller);
@@ -429,9 +431,9 @@ fn report_superseded(execution: &Execution, tally: &mut Tally) {
     );
 }
 
-/// Decodes records, drops the ones that can never be valid (logged), and groups the rest by
-/// `MessageGroupId` in arrival order. A second record for the same job generation in one batch
-/// is a duplicate and is acknowledged.
+/// Decodes records, drops the ones that can never be valid (logged, and counted in `tally`), and
+/// groups the rest by `MessageGroupId` in arrival order. A second record for the same job
+/// generation in one batch is a duplicate and is acknowledged.
 fn group_records(records: Vec<SqsMessage>, tally: &mut Tally) -> Vec<Vec<Record>> {
     let mut groups: Vec<Vec<Record>> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
