@@ -151,9 +151,7 @@ impl Worker {
         let mut tally = Tally::default();
         let groups = group_records(event.records, &mut tally);
         if groups.is_empty() {
-            if tally != Tally::default() {
-                self.print_metrics(&tally); // a batch of nothing but malformed or duplicate records
-            }
+            self.print_metrics(&tally); // malformed or duplicate records, if any
             return batch_response(Vec::new()); // nothing to fence: no lane is started for it
         }
         let steps = self.lane(poller);
@@ -193,9 +191,13 @@ impl Worker {
     }
 
     /// Prints the batch's [`Tally`] as one metrics line ([`crate::metrics`]) when metrics are
-    /// configured.
+    /// configured and the batch counted anything: every record of a batch is counted once, so
+    /// only an event with no records counts nothing.
     fn print_metrics(&self, tally: &Tally) {
         let Some(target) = &self.config.metrics else { return };
+        if *tally == Tally::default() {
+            return;
+        }
         let line = crate::metrics::outcomes_line(&target.namespace, &target.queue, tally, SystemTime::now());
         if let Err(error) = crate::metrics::print(&line) {
             tracing::warn!(error = %error, "could not write the metrics line to stdout");
@@ -397,26 +399,29 @@ fn finish_of(job: &Started, outcome: &Outcome) -> Finish {
 /// Logs a recorded outcome and counts it in the batch's `tally`.
 fn report_finished(execution: &Execution, tally: &mut Tally) {
     let job = &execution.job;
-    let count = match execution.outcome {
-        Outcome::Succeeded { .. } => &mut tally.succeeded,
-        Outcome::RetryLater { .. } => &mut tally.retried,
-        Outcome::Failed { .. } => &mut tally.failed,
-    };
-    *count += 1;
     match &execution.outcome {
-        Outcome::Succeeded { .. } => tracing::info!(
-            job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
-            job.from = "running", job.to = "succeeded", "job succeeded"
-        ),
-        Outcome::RetryLater { error, backoff } => tracing::warn!(
-            job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
-            job.from = "running", job.to = "pending", backoff_ms = backoff.as_millis() as u64, error = %error,
-            "job failed; will retry"
-        ),
-        Outcome::Failed { error } => tracing::error!(
-            job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
-            job.from = "running", job.to = "failed", error = %error, "job failed"
-        ),
+        Outcome::Succeeded { .. } => {
+            tally.succeeded += 1;
+            tracing::info!(
+                job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
+                job.from = "running", job.to = "succeeded", "job succeeded"
+            )
+        }
+        Outcome::RetryLater { error, backoff } => {
+            tally.retried += 1;
+            tracing::warn!(
+                job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
+                job.from = "running", job.to = "pending", backoff_ms = backoff.as_millis() as u64, error = %error,
+                "job failed; will retry"
+            )
+        }
+        Outcome::Failed { error } => {
+            tally.failed += 1;
+            tracing::error!(
+                job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
+                job.from = "running", job.to = "failed", error = %error, "job failed"
+            )
+        }
     }
 }
 
