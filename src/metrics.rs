@@ -1,7 +1,7 @@
 //! rowq's metrics, as CloudWatch Embedded Metric Format lines on stdout, when
 //! `ROWQ_METRICS_NAMESPACE` names a namespace: the scheduler's gauges of its queue
 //! ([`QueueGauges`], every maintenance interval) and the worker's count of what each batch did
-//! ([`Tally`]). CloudWatch Logs turns each such line of a Lambda's (or an ECS task's `awslogs`)
+//! ([`Tally`]): its executions by kind, with how long each ran, and the messages it did not run. CloudWatch Logs turns each such line of a Lambda's (or an ECS task's `awslogs`)
 //! output into metric values: no SDK call, no permission beyond writing the logs, nothing lost
 //! to a metrics agent. The logs themselves go to stderr, so stdout carries only these lines.
 //!
@@ -10,7 +10,7 @@
 //! and no SQS metric sees a job that was never published.
 
 use std::io::Write;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
@@ -20,28 +20,37 @@ use crate::store::admin::QueueGauges;
 pub const GAUGES: [(&str, &str); 4] =
     [("OldestDuePendingSeconds", "Seconds"), ("DuePending", "Count"), ("Dispatched", "Count"), ("Running", "Count")];
 
-/// The worker's metrics, in the order of [`Tally`]'s fields: name and unit.
-pub const OUTCOMES: [(&str, &str); 7] = [
+/// The worker's metrics of one kind's executions in a batch, in the order of [`KindTally`]'s
+/// fields: name and unit. Each line of them carries the dimensions `Queue` and `Kind`, and
+/// CloudWatch also sums them by `Queue` alone ([`KIND_DIMENSIONS`]).
+pub const EXECUTIONS: [(&str, &str); 5] = [
     ("JobsSucceeded", "Count"),
     ("JobsRetried", "Count"),
     ("JobsFailed", "Count"),
     ("JobsSuperseded", "Count"),
-    ("MessagesStale", "Count"),
-    ("MessagesReturned", "Count"),
-    ("MessagesMalformed", "Count"),
+    ("JobDuration", "Milliseconds"),
 ];
 
-/// What one batch did, for the worker's metrics line.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// The worker's metrics of the messages of a batch it did not run, in the order of [`Tally`]'s
+/// fields: name and unit. Their line carries the dimension `Queue`.
+pub const MESSAGES: [(&str, &str); 3] =
+    [("MessagesStale", "Count"), ("MessagesReturned", "Count"), ("MessagesMalformed", "Count")];
+
+/// The dimension sets of a kind's line: each value counts by queue and kind, and by queue.
+pub const KIND_DIMENSIONS: [&[&str]; 2] = [&["Queue"], &["Queue", "Kind"]];
+
+/// The most values EMF takes for one metric in one line: a kind with more executions in a batch
+/// (only a standard queue's batches can be that large) has its durations on further lines.
+pub const VALUES_PER_LINE: usize = 100;
+
+/// The most records SQS delivers in one batch, from a FIFO queue.
+const SQS_BATCH: usize = 10;
+
+/// What one batch did, for the worker's metrics lines.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Tally {
-    /// Executions recorded `succeeded`.
-    pub succeeded: u32,
-    /// Executions recorded as failed with attempts left: back to `pending`, after a backoff.
-    pub retried: u32,
-    /// Executions recorded `failed`: a permanent error, or no attempt left.
-    pub failed: u32,
-    /// Executions whose outcome was discarded: the job was rescued or taken over meanwhile.
-    pub superseded: u32,
+    /// The executions, by kind, in the order their kinds were first counted.
+    pub kinds: Vec<KindTally>,
     /// Messages acknowledged without running: a stale generation, or a duplicate.
     pub stale: u32,
     /// Messages reported to SQS as failed, for redelivery: the database was unreachable, or
@@ -53,24 +62,72 @@ pub struct Tally {
     pub malformed: u32,
 }
 
-/// One EMF line: `values` (in the order of `metrics`) of `queue` under `namespace`, with the
-/// dimension `Queue`.
-fn line<const N: usize>(
+/// What a batch's executions of one kind came to.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KindTally {
+    pub kind: String,
+    /// Executions recorded `succeeded`.
+    pub succeeded: u32,
+    /// Executions recorded as failed with attempts left: back to `pending`, after a backoff.
+    pub retried: u32,
+    /// Executions recorded `failed`: a permanent error, or no attempt left.
+    pub failed: u32,
+    /// Executions whose outcome was discarded: the job was rescued or taken over meanwhile.
+    pub superseded: u32,
+    /// How long each of those executions' handlers ran, in milliseconds.
+    pub durations_ms: Vec<f64>,
+}
+
+impl Tally {
+    /// The count of `kind`'s executions, started at zero by the first of them. Private: every
+    /// kind counted has a duration, so its line has a value of each metric.
+    fn of_kind(&mut self, kind: &str) -> &mut KindTally {
+        let at = match self.kinds.iter().position(|counted| counted.kind == kind) {
+            Some(at) => at,
+            None => {
+                // Room for an SQS batch's durations: one allocation, not four growing to ten.
+                let durations_ms = Vec::with_capacity(SQS_BATCH);
+                self.kinds.push(KindTally { kind: kind.to_string(), durations_ms, ..KindTally::default() });
+                self.kinds.len() - 1
+            }
+        };
+        &mut self.kinds[at]
+    }
+
+    /// Counts one execution of `kind` that ran for `ran_for`; `outcome` picks its count.
+    pub fn execution(&mut self, kind: &str, ran_for: Duration, outcome: fn(&mut KindTally) -> &mut u32) {
+        let counted = self.of_kind(kind);
+        *outcome(counted) += 1;
+        counted.durations_ms.push(ran_for.as_secs_f64() * 1000.0);
+    }
+
+    /// Whether the batch counted no message that was not run.
+    fn no_messages(&self) -> bool {
+        (self.stale, self.returned, self.malformed) == (0, 0, 0)
+    }
+}
+
+/// One EMF line at `at`: `values` of the metrics `metrics` (name and unit) under `namespace`,
+/// with the dimensions `dimensions` (name and value), aggregated by each set in `sets`.
+fn line(
     namespace: &str,
-    queue: &str,
     at: SystemTime,
-    metrics: &[(&str, &str); N],
-    values: [Value; N],
+    dimensions: &[(&str, &str)],
+    sets: &[&[&str]],
+    metrics: &[(&str, &str)],
+    values: Vec<Value>,
 ) -> String {
     let timestamp = at.duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis());
     let definitions: Vec<_> = metrics.iter().map(|(name, unit)| json!({"Name": name, "Unit": unit})).collect();
     let mut line = json!({
         "_aws": {
             "Timestamp": timestamp,
-            "CloudWatchMetrics": [{"Namespace": namespace, "Dimensions": [["Queue"]], "Metrics": definitions}],
+            "CloudWatchMetrics": [{"Namespace": namespace, "Dimensions": sets, "Metrics": definitions}],
         },
-        "Queue": queue,
     });
+    for (name, value) in dimensions {
+        line[*name] = json!(value);
+    }
     for ((name, _), value) in metrics.iter().zip(values) {
         line[*name] = value;
     }
@@ -79,45 +136,66 @@ fn line<const N: usize>(
 
 /// The scheduler's line: the gauges of `queue`.
 pub fn gauges_line(namespace: &str, queue: &str, gauges: &QueueGauges, at: SystemTime) -> String {
-    let values = [
+    let values = vec![
         json!(gauges.oldest_due_pending_secs),
         json!(gauges.due_pending),
         json!(gauges.dispatched),
         json!(gauges.running),
     ];
-    line(namespace, queue, at, &GAUGES, values)
+    line(namespace, at, &[("Queue", queue)], &[&["Queue"]], &GAUGES, values)
 }
 
-/// The worker's line: what one batch did.
-pub fn outcomes_line(namespace: &str, queue: &str, tally: &Tally, at: SystemTime) -> String {
-    let values =
-        [tally.succeeded, tally.retried, tally.failed, tally.superseded, tally.stale, tally.returned, tally.malformed];
-    line(namespace, queue, at, &OUTCOMES, values.map(|count| json!(count)))
+/// The worker's lines of one batch: one per kind it ran (more for a kind whose durations do not
+/// fit one line), then one of the messages it did not run, if there were any.
+pub fn outcomes_lines(namespace: &str, queue: &str, tally: &Tally, at: SystemTime) -> Vec<String> {
+    let mut lines = Vec::new();
+    for kind in &tally.kinds {
+        let dimensions = [("Queue", queue), ("Kind", kind.kind.as_str())];
+        let mut durations = kind.durations_ms.chunks(VALUES_PER_LINE);
+        let first = durations.next().unwrap_or_default();
+        let counts = [kind.succeeded, kind.retried, kind.failed, kind.superseded].map(|count| json!(count));
+        let values = counts.into_iter().chain([json!(first)]).collect();
+        lines.push(line(namespace, at, &dimensions, &KIND_DIMENSIONS, &EXECUTIONS, values));
+        for more in durations {
+            lines.push(line(namespace, at, &dimensions, &KIND_DIMENSIONS, &EXECUTIONS[4..], vec![json!(more)]));
+        }
+    }
+    if !tally.no_messages() {
+        let values = [tally.stale, tally.returned, tally.malformed].map(|count| json!(count)).to_vec();
+        lines.push(line(namespace, at, &[("Queue", queue)], &[&["Queue"]], &MESSAGES, values));
+    }
+    lines
 }
 
-/// Writes `line` and a newline to stdout in one call, so that no other output splits it.
-pub fn print(line: &str) -> std::io::Result<()> {
+/// Writes `lines`, each followed by a newline, to stdout in one call, so that no other output
+/// splits them.
+pub fn print(lines: &[String]) -> std::io::Result<()> {
+    let mut text = String::new();
+    for line in lines {
+        text.push_str(line);
+        text.push('\n');
+    }
     let mut out = std::io::stdout().lock();
-    out.write_all(format!("{line}\n").as_bytes())?;
+    out.write_all(text.as_bytes())?;
     out.flush()
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     /// The parsed line, checked for what EMF requires of any line: the timestamp, one directive
-    /// under the namespace with the dimension `Queue`, declaring exactly `metrics`, each with its
-    /// value at the top level, and nothing else there.
-    fn checked(text: &str, metrics: &[(&str, &str)]) -> Value {
+    /// under the namespace with the dimension sets `sets`, declaring exactly `metrics`, each with
+    /// its value at the top level beside the dimensions' values, and nothing else there.
+    fn checked(text: &str, sets: Value, dimensions: &[(&str, &str)], metrics: &[(&str, &str)]) -> Value {
         let line: Value = serde_json::from_str(text).unwrap();
         assert_eq!(line["_aws"]["Timestamp"], 1_764_000_000_123_u64);
         let directive = &line["_aws"]["CloudWatchMetrics"][0];
         assert_eq!(directive["Namespace"], "rowq/prod");
-        assert_eq!(directive["Dimensions"], json!([["Queue"]]));
-        assert_eq!(line["Queue"], "emails");
+        assert_eq!(directive["Dimensions"], sets);
+        for (name, value) in dimensions {
+            assert_eq!(line[*name], *value, "{line}");
+        }
         let declared: Vec<(&str, &str)> = directive["Metrics"]
             .as_array()
             .unwrap()
@@ -125,8 +203,8 @@ mod tests {
             .map(|m| (m["Name"].as_str().unwrap(), m["Unit"].as_str().unwrap()))
             .collect();
         assert_eq!(declared, metrics);
-        assert!(metrics.iter().all(|(name, _)| line[*name].is_number()), "{line}");
-        assert_eq!(line.as_object().unwrap().len(), 2 + metrics.len(), "{line}");
+        assert!(metrics.iter().all(|(name, _)| line[*name].is_number() || line[*name].is_array()), "{line}");
+        assert_eq!(line.as_object().unwrap().len(), 1 + dimensions.len() + metrics.len(), "{line}");
         line
     }
 
@@ -135,16 +213,74 @@ mod tests {
     #[test]
     fn a_gauges_line_carries_each_gauge_under_its_name() {
         let gauges = QueueGauges { oldest_due_pending_secs: 42.5, due_pending: 7, dispatched: 3, running: 2 };
-        let line = checked(&gauges_line("rowq/prod", "emails", &gauges, UNIX_EPOCH + AT), &GAUGES);
+        let text = gauges_line("rowq/prod", "emails", &gauges, UNIX_EPOCH + AT);
+        let line = checked(&text, json!([["Queue"]]), &[("Queue", "emails")], &GAUGES);
         assert_eq!(line["OldestDuePendingSeconds"], 42.5);
         assert_eq!((&line["DuePending"], &line["Dispatched"], &line["Running"]), (&json!(7), &json!(3), &json!(2)));
     }
 
+    fn ms(n: u64) -> Duration {
+        Duration::from_micros(n * 1000 + 250)
+    }
+
     #[test]
-    fn an_outcomes_line_carries_each_count_under_its_name() {
-        let tally = Tally { succeeded: 1, retried: 2, failed: 3, superseded: 4, stale: 5, returned: 6, malformed: 7 };
-        let line = checked(&outcomes_line("rowq/prod", "emails", &tally, UNIX_EPOCH + AT), &OUTCOMES);
-        let counts: Vec<u64> = OUTCOMES.iter().map(|(name, _)| line[*name].as_u64().unwrap()).collect();
-        assert_eq!(counts, [1, 2, 3, 4, 5, 6, 7]);
+    fn a_batch_prints_a_line_per_kind_with_each_executions_time_then_one_of_its_messages() {
+        let mut tally = Tally { stale: 5, returned: 6, malformed: 7, ..Tally::default() };
+        tally.execution("resize", ms(12), |kind| &mut kind.succeeded);
+        tally.execution("email", ms(3), |kind| &mut kind.failed);
+        tally.execution("resize", ms(40), |kind| &mut kind.retried);
+        tally.execution("resize", ms(1), |kind| &mut kind.succeeded);
+        tally.execution("email", ms(2), |kind| &mut kind.superseded);
+        let lines = outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+
+        let by_kind = json!([["Queue"], ["Queue", "Kind"]]);
+        let resize = checked(&lines[0], by_kind.clone(), &[("Queue", "emails"), ("Kind", "resize")], &EXECUTIONS);
+        let counts = |line: &Value| EXECUTIONS[..4].iter().map(|(name, _)| line[*name].as_u64()).collect::<Vec<_>>();
+        assert_eq!(counts(&resize), [2, 1, 0, 0].map(Some));
+        assert_eq!(resize["JobDuration"], json!([12.25, 40.25, 1.25]));
+        let email = checked(&lines[1], by_kind, &[("Queue", "emails"), ("Kind", "email")], &EXECUTIONS);
+        assert_eq!(counts(&email), [0, 0, 1, 1].map(Some));
+        assert_eq!(email["JobDuration"], json!([3.25, 2.25]));
+
+        let messages = checked(&lines[2], json!([["Queue"]]), &[("Queue", "emails")], &MESSAGES);
+        assert_eq!(MESSAGES.map(|(name, _)| messages[name].as_u64().unwrap()), [5, 6, 7]);
+    }
+
+    #[test]
+    fn a_batch_that_ran_every_message_prints_no_messages_line_and_one_that_counted_nothing_prints_none() {
+        let mut tally = Tally::default();
+        assert_eq!(outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT), Vec::<String>::new());
+        tally.execution("resize", ms(1), |kind| &mut kind.succeeded);
+        let lines = outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].contains("\"Kind\":\"resize\""), "{lines:?}");
+    }
+
+    /// EMF takes at most 100 values of a metric in a line: a kind's further durations go on
+    /// lines of their own, which count nothing twice.
+    #[test]
+    fn durations_beyond_a_lines_hundred_values_go_on_further_lines() {
+        let mut tally = Tally::default();
+        for n in 0..230 {
+            tally.execution("resize", ms(n), |kind| &mut kind.succeeded);
+        }
+        let lines = outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        let dimensions = [("Queue", "emails"), ("Kind", "resize")];
+        let sets = json!([["Queue"], ["Queue", "Kind"]]);
+        let first = checked(&lines[0], sets.clone(), &dimensions, &EXECUTIONS);
+        assert_eq!(first["JobsSucceeded"], 230);
+        let mut durations = first["JobDuration"].as_array().unwrap().clone();
+        for more in &lines[1..] {
+            let line = checked(more, sets.clone(), &dimensions, &EXECUTIONS[4..]);
+            durations.extend(line["JobDuration"].as_array().unwrap().iter().cloned());
+        }
+        let lengths: Vec<usize> = [&lines[0], &lines[1], &lines[2]]
+            .iter()
+            .map(|text| serde_json::from_str::<Value>(text).unwrap()["JobDuration"].as_array().unwrap().len())
+            .collect();
+        assert_eq!(lengths, [100, 100, 30]);
+        assert_eq!(durations, (0..230).map(|n| json!(n as f64 + 0.25)).collect::<Vec<_>>());
     }
 }

@@ -14,8 +14,8 @@
 //!   Batches handled at the same time by one process (the local runner's pollers) share those
 //!   statements, one batch's finish going with another's fence ([`crate::combine`],
 //!   [`run::step`]), in one of [`LANES`] chains of statements chosen by the batch's poller.
-//! - With `ROWQ_METRICS_NAMESPACE` set, each batch ends with one metrics line of what it did
-//!   ([`crate::metrics::Tally`]).
+//! - With `ROWQ_METRICS_NAMESPACE` set, each batch ends with metrics lines of what it did
+//!   ([`crate::metrics::Tally`]): one per kind it ran, and one of the messages it did not run.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
@@ -84,6 +84,8 @@ struct Execution {
     job: Started,
     outcome: Outcome,
     recorded: Recorded,
+    /// How long the handler ran, until it returned or timed out.
+    ran_for: Duration,
 }
 
 /// Whether an execution's outcome is in the row yet.
@@ -190,17 +192,14 @@ impl Worker {
         batch_response(failures)
     }
 
-    /// Prints the batch's [`Tally`] as one metrics line ([`crate::metrics`]) when metrics are
-    /// configured and the batch counted anything: every record of a batch is counted once, so
-    /// only an event with no records counts nothing.
+    /// Prints the batch's [`Tally`] as metrics lines ([`crate::metrics`]) when metrics are
+    /// configured: every record of a batch is counted once, so only an event with no records
+    /// prints none.
     fn print_metrics(&self, tally: &Tally) {
         let Some(target) = &self.config.metrics else { return };
-        if *tally == Tally::default() {
-            return;
-        }
-        let line = crate::metrics::outcomes_line(&target.namespace, &target.queue, tally, SystemTime::now());
-        if let Err(error) = crate::metrics::print(&line) {
-            tracing::warn!(error = %error, "could not write the metrics line to stdout");
+        let lines = crate::metrics::outcomes_lines(&target.namespace, &target.queue, tally, SystemTime::now());
+        if let Err(error) = crate::metrics::print(&lines) {
+            tracing::warn!(error = %error, "could not write the metrics lines to stdout");
         }
     }
 
@@ -289,6 +288,7 @@ impl Worker {
         );
         // The payload (up to 1 MiB) is moved to the handler, not copied; the row keeps it.
         let payload = std::mem::take(&mut job.payload);
+        let began = Instant::now();
         let result = match self.registry.call(&job.kind, ctx, payload) {
             None => Err(JobError::permanent(format!(
                 "unknown job kind {:?}: this worker has no handler for it (it knows: {})",
@@ -300,6 +300,7 @@ impl Worker {
                 Err(_) => Err(JobError::retryable(format!("timed out after {} ms", timeout.as_millis()))),
             },
         };
+        let ran_for = began.elapsed();
         let tx = slot.take().await;
         let outcome = match result {
             Ok(result) => Outcome::Succeeded { result },
@@ -328,7 +329,7 @@ impl Worker {
             }
             _ => Recorded::Pending,
         };
-        Execution { record, job, outcome, recorded }
+        Execution { record, job, outcome, recorded, ran_for }
     }
 
     fn known_kinds(&self) -> String {
@@ -401,14 +402,14 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
     let job = &execution.job;
     match &execution.outcome {
         Outcome::Succeeded { .. } => {
-            tally.succeeded += 1;
+            tally.execution(&job.kind, execution.ran_for, |kind| &mut kind.succeeded);
             tracing::info!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "succeeded", "job succeeded"
             )
         }
         Outcome::RetryLater { error, backoff } => {
-            tally.retried += 1;
+            tally.execution(&job.kind, execution.ran_for, |kind| &mut kind.retried);
             tracing::warn!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "pending", backoff_ms = backoff.as_millis() as u64, error = %error,
@@ -416,7 +417,7 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
             )
         }
         Outcome::Failed { error } => {
-            tally.failed += 1;
+            tally.execution(&job.kind, execution.ran_for, |kind| &mut kind.failed);
             tracing::error!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "failed", error = %error, "job failed"
@@ -427,7 +428,7 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
 
 /// Logs an execution whose outcome was discarded and counts it in the batch's `tally`.
 fn report_superseded(execution: &Execution, tally: &mut Tally) {
-    tally.superseded += 1;
+    tally.execution(&execution.job.kind, execution.ran_for, |kind| &mut kind.superseded);
     tracing::warn!(
         job.id = execution.job.id.0,
         job.attempt = execution.job.attempt,

@@ -243,11 +243,12 @@ async fn the_scheduler_prints_its_queues_gauges_as_cloudwatch_metrics_on_stdout(
     assert_eq!(dispatched, 2);
 }
 
-/// With `ROWQ_METRICS_NAMESPACE` set, a worker prints what each batch did as one metrics line:
-/// `rowq work` runs a success, a failure with attempts left and a permanent failure, and
-/// acknowledges a message for a generation no job is waiting for and one that is no rowq message.
+/// With `ROWQ_METRICS_NAMESPACE` set, a worker prints what each batch did as metrics lines, one
+/// per kind it ran and one of the messages it did not run: `rowq work` runs a success, a failure
+/// with attempts left and a permanent failure, and acknowledges a message for a generation no job
+/// is waiting for and one that is no rowq message.
 #[tokio::test]
-async fn a_worker_prints_what_each_batch_did_as_cloudwatch_metrics_on_stdout() {
+async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_stdout() {
     let pool = common::database().await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
@@ -314,8 +315,12 @@ async fn a_worker_prints_what_each_batch_did_as_cloudwatch_metrics_on_stdout() {
 
     let lines = json_lines(&output);
     assert!(!lines.is_empty(), "no metrics line: {}", stderr(&output));
-    let total = |name: &str| lines.iter().map(|line| line[name].as_u64().unwrap_or(0)).sum::<u64>();
-    let totals: Vec<(&str, u64)> = rowq::metrics::OUTCOMES.iter().map(|(name, _)| (*name, total(name))).collect();
+    let total = |kind: Option<&str>, name: &str| {
+        let of_kind = |line: &&Value| kind.is_none_or(|kind| line["Kind"] == kind);
+        lines.iter().filter(of_kind).map(|line| line[name].as_u64().unwrap_or(0)).sum::<u64>()
+    };
+    let names = rowq::metrics::EXECUTIONS[..4].iter().chain(&rowq::metrics::MESSAGES).map(|(name, _)| *name);
+    let totals: Vec<(&str, u64)> = names.map(|name| (name, total(None, name))).collect();
     assert_eq!(
         totals,
         [
@@ -329,8 +334,16 @@ async fn a_worker_prints_what_each_batch_did_as_cloudwatch_metrics_on_stdout() {
         ],
         "{lines:?}"
     );
+    let by_kind = |kind| ["JobsSucceeded", "JobsRetried", "JobsFailed"].map(|name| total(Some(kind), name));
+    assert_eq!((by_kind("noop"), by_kind("fail")), ([1, 0, 0], [0, 1, 1]), "{lines:?}");
+    let durations: Vec<f64> =
+        lines.iter().filter_map(|line| line["JobDuration"].as_array()).flatten().filter_map(Value::as_f64).collect();
+    assert_eq!(durations.len(), 3, "one duration per execution: {lines:?}");
+    assert!(durations.iter().all(|ms| (0.0..10_000.0).contains(ms)), "{durations:?}");
     for line in &lines {
         assert_eq!(line["Queue"], "emails", "{line}");
         assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Namespace"], "rowq/test", "{line}");
+        let sets = if line["Kind"].is_string() { json!([["Queue"], ["Queue", "Kind"]]) } else { json!([["Queue"]]) };
+        assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Dimensions"], sets, "{line}");
     }
 }

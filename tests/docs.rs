@@ -93,6 +93,12 @@ fn the_readme_documents_every_setting_the_code_reads() {
     assert!(missing.is_empty(), "README.md's configuration does not document {missing:?}");
 }
 
+/// Every metric the scheduler and the worker print.
+fn printed_metrics() -> Vec<&'static str> {
+    let all = rowq::metrics::GAUGES.iter().chain(&rowq::metrics::EXECUTIONS).chain(&rowq::metrics::MESSAGES);
+    all.map(|(name, _)| *name).collect()
+}
+
 /// The template's alarms on rowq's own metrics read the namespace the scheduler and the worker
 /// are given, one for both, and names they print: a typo in either would leave an alarm on a
 /// metric that never exists (and, missing data breaching, always firing).
@@ -104,8 +110,7 @@ fn the_templates_alarms_read_the_metrics_rowq_prints() {
     assert_eq!(namespaces.len(), 2, "the scheduler and the worker each set ROWQ_METRICS_NAMESPACE");
     assert_eq!(namespaces[0], namespaces[1], "the scheduler and the worker report under two namespaces");
     let namespace = namespaces[0];
-    let printed: Vec<&str> =
-        rowq::metrics::GAUGES.iter().chain(&rowq::metrics::OUTCOMES).map(|(name, _)| *name).collect();
+    let printed = printed_metrics();
     let mut alarmed = Vec::new();
     for (at, line) in lines.iter().enumerate() {
         let Some(alarm_namespace) = line.strip_prefix("Namespace: ") else { continue };
@@ -137,20 +142,41 @@ fn the_templates_dashboard_is_json_and_graphs_the_metrics_rowq_prints() {
     }
     let dashboard: serde_json::Value =
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("the dashboard is not JSON ({e}):\n{text}"));
-    let printed: Vec<&str> =
-        rowq::metrics::GAUGES.iter().chain(&rowq::metrics::OUTCOMES).map(|(name, _)| *name).collect();
+    let printed = printed_metrics();
+    let by_kind: Vec<&str> = rowq::metrics::EXECUTIONS.iter().map(|(name, _)| *name).collect();
     let mut graphed = Vec::new();
+    let mut searched = Vec::new();
     for widget in dashboard["widgets"].as_array().expect("widgets") {
         for metric in widget["properties"]["metrics"].as_array().expect("metrics") {
             if metric[0] == "rowq/x" {
                 let name = metric[1].as_str().expect("a metric name");
                 assert!(printed.contains(&name), "the dashboard graphs {name}, which rowq does not print");
                 graphed.push(name);
+            } else if let Some(expression) = metric[0]["expression"].as_str() {
+                // SEARCH('{rowq/x,Queue,Kind} Queue="x" MetricName="NAME"', 'STAT', 60)
+                let name = searched_metric(expression);
+                assert!(by_kind.contains(&name), "the dashboard searches {name} by kind, which rowq does not print");
+                searched.push(name);
+                graphed.push(name);
             }
         }
     }
+    assert!(searched.contains(&"JobsFailed"), "the dashboard shows no failures by kind");
     graphed.sort_unstable();
+    graphed.dedup();
     let mut all = printed.clone();
     all.sort_unstable();
     assert_eq!(graphed, all, "the dashboard graphs every metric rowq prints");
+}
+
+/// The metric a dashboard's `SEARCH` of rowq's per-kind metrics names, checked to read them where
+/// the worker puts them: rowq's namespace, the dimensions `Queue` and `Kind`, the stack's queue.
+fn searched_metric(expression: &str) -> &str {
+    let query = expression.strip_prefix("SEARCH('").and_then(|rest| rest.split('\'').next()).expect("SEARCH('…')");
+    let (schema, terms) = query.split_once(' ').expect("a schema and search terms");
+    assert_eq!(schema, "{rowq/x,Queue,Kind}", "{expression}");
+    let terms: Vec<&str> = terms.split(' ').collect();
+    assert_eq!(terms.len(), 2, "{expression}");
+    assert_eq!(terms[0], "Queue=\"x\"", "{expression}");
+    terms[1].strip_prefix("MetricName=\"").and_then(|name| name.strip_suffix('"')).expect("MetricName=\"…\"")
 }
