@@ -6,7 +6,7 @@
 //! to a metrics agent. The logs themselves go to stderr, so stdout carries only these lines.
 //!
 //! Only the database knows how long due jobs have waited: a scheduler that stopped, sends that
-//! SQS refuses, an in-flight cap that is too low all show as `OldestDuePendingSeconds` growing,
+//! SQS refuses, an in-flight cap that is too low all show as `OldestClaimableSeconds` growing,
 //! and no SQS metric sees a job that was never published.
 
 use std::io::Write;
@@ -17,8 +17,13 @@ use serde_json::{Value, json};
 use crate::store::admin::QueueGauges;
 
 /// The scheduler's metrics, in the order of [`QueueGauges`]'s fields: name and unit.
-pub const GAUGES: [(&str, &str); 4] =
-    [("OldestDuePendingSeconds", "Seconds"), ("DuePending", "Count"), ("Dispatched", "Count"), ("Running", "Count")];
+pub const GAUGES: [(&str, &str); 5] = [
+    ("OldestDuePendingSeconds", "Seconds"),
+    ("OldestClaimableSeconds", "Seconds"),
+    ("DuePending", "Count"),
+    ("Dispatched", "Count"),
+    ("Running", "Count"),
+];
 
 /// The worker's metrics of one kind's executions in a batch, in the order of [`KindTally`]'s
 /// fields: name and unit. Each line of them carries the dimensions `Queue` and `Kind`, and
@@ -138,6 +143,7 @@ fn line(
 pub fn gauges_line(namespace: &str, queue: &str, gauges: &QueueGauges, at: SystemTime) -> String {
     let values = vec![
         json!(gauges.oldest_due_pending_secs),
+        json!(gauges.oldest_claimable_secs),
         json!(gauges.due_pending),
         json!(gauges.dispatched),
         json!(gauges.running),
@@ -212,10 +218,16 @@ mod tests {
 
     #[test]
     fn a_gauges_line_carries_each_gauge_under_its_name() {
-        let gauges = QueueGauges { oldest_due_pending_secs: 42.5, due_pending: 7, dispatched: 3, running: 2 };
+        let gauges = QueueGauges {
+            oldest_due_pending_secs: 42.5,
+            oldest_claimable_secs: 12.5,
+            due_pending: 7,
+            dispatched: 3,
+            running: 2,
+        };
         let text = gauges_line("rowq/prod", "emails", &gauges, UNIX_EPOCH + AT);
         let line = checked(&text, json!([["Queue"]]), &[("Queue", "emails")], &GAUGES);
-        assert_eq!(line["OldestDuePendingSeconds"], 42.5);
+        assert_eq!((&line["OldestDuePendingSeconds"], &line["OldestClaimableSeconds"]), (&json!(42.5), &json!(12.5)));
         assert_eq!((&line["DuePending"], &line["Dispatched"], &line["Running"]), (&json!(7), &json!(3), &json!(2)));
     }
 

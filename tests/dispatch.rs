@@ -1178,7 +1178,14 @@ async fn the_scheduler_warns_of_a_transaction_holding_back_the_cleanup() {
 async fn a_queues_gauges_count_its_due_dispatched_and_running_jobs_and_the_oldest_wait() {
     let pool = common::database().await;
     let empty = admin::queue_gauges(&pool, "default").await.unwrap();
-    assert_eq!(empty, admin::QueueGauges { oldest_due_pending_secs: 0.0, due_pending: 0, dispatched: 0, running: 0 });
+    let nothing = admin::QueueGauges {
+        oldest_due_pending_secs: 0.0,
+        oldest_claimable_secs: 0.0,
+        due_pending: 0,
+        dispatched: 0,
+        running: 0,
+    };
+    assert_eq!(empty, nothing);
 
     sqlx::query(
         "INSERT INTO rowq.jobs (kind, queue, run_at, state) VALUES
@@ -1199,7 +1206,71 @@ async fn a_queues_gauges_count_its_due_dispatched_and_running_jobs_and_the_oldes
     .unwrap();
     let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
     assert!((90.0..100.0).contains(&gauges.oldest_due_pending_secs), "{gauges:?}");
+    assert_eq!(gauges.oldest_claimable_secs, gauges.oldest_due_pending_secs, "no group holds one back: {gauges:?}");
     assert_eq!((gauges.due_pending, gauges.dispatched, gauges.running), (2, 2, 1), "{gauges:?}");
+}
+
+/// Jobs waiting behind an unfinished job of their group (running, dispatched, or pending in
+/// its backoff) are due, and users wait for them, but no claim would take them: the claimable
+/// wait, which the backlog alarm reads, leaves them out, and counts a group's head.
+#[tokio::test]
+async fn the_claimable_wait_leaves_out_jobs_behind_their_group() {
+    let pool = common::database().await;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, group_key, run_at, state) VALUES
+            ('noop', 'running', now() - interval '2 hours', 'running'),
+            ('noop', 'running', now() - interval '1 hour', 'pending'),
+            ('noop', 'dispatched', now() - interval '2 hours', 'dispatched'),
+            ('noop', 'dispatched', now() - interval '50 minutes', 'pending'),
+            ('noop', 'backoff', now() + interval '1 hour', 'pending'),
+            ('noop', 'backoff', now() - interval '40 minutes', 'pending'),
+            ('noop', 'done', now() - interval '3 hours', 'succeeded'),
+            ('noop', 'done', now() - interval '20 minutes', 'pending'),
+            ('noop', 'done', now() - interval '30 minutes', 'pending'),
+            ('noop', NULL, now() - interval '10 minutes', 'pending')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
+    let minutes = |secs: f64| (secs / 60.0).round();
+    assert_eq!(minutes(gauges.oldest_due_pending_secs), 60.0, "{gauges:?}");
+    // 'done': its first unfinished job (id order, not run_at order) is its head: 20 minutes.
+    assert_eq!(minutes(gauges.oldest_claimable_secs), 20.0, "{gauges:?}");
+    assert_eq!(gauges.due_pending, 6, "{gauges:?}");
+
+    sqlx::query("UPDATE rowq.jobs SET state = 'dispatched' WHERE group_key = 'done' OR group_key IS NULL")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
+    assert_eq!(gauges.oldest_claimable_secs, 0.0, "every due job is behind its group: {gauges:?}");
+    assert_eq!(minutes(gauges.oldest_due_pending_secs), 60.0, "{gauges:?}");
+}
+
+/// The claimable wait tests at most `CLAIMABLE_WINDOW` due jobs for their group: when all of
+/// them wait behind it, it reads the youngest of their waits, which no claimable job exceeds.
+#[tokio::test]
+async fn the_claimable_wait_looks_no_further_than_its_window() {
+    let pool = common::database().await;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, group_key, run_at, state)
+         SELECT 'noop', 'long', now() - interval '1 day', 'running'::rowq.job_state
+         UNION ALL
+         SELECT 'noop', 'long', now() - n * interval '1 second', 'pending' FROM generate_series(1, $1) n
+         UNION ALL
+         SELECT 'noop', NULL, now() - interval '1 second', 'pending'",
+    )
+    .bind(admin::CLAIMABLE_WINDOW + 100)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
+    // The window ends at the job due 101 s ago; the claimable one, due 1 s ago, is beyond it.
+    let youngest_in_window = 101.0;
+    assert!((youngest_in_window..youngest_in_window + 30.0).contains(&gauges.oldest_claimable_secs), "{gauges:?}");
+    let oldest = (admin::CLAIMABLE_WINDOW + 100) as f64;
+    assert!((oldest..oldest + 30.0).contains(&gauges.oldest_due_pending_secs), "{gauges:?}");
 }
 
 /// A backlog of millions costs the gauges no more than a scan of `GAUGE_COUNT_CAP` entries.

@@ -122,7 +122,7 @@ fn the_templates_alarms_read_the_metrics_rowq_prints() {
         assert!(printed.contains(&metric), "the template alarms on {metric}, which the scheduler does not print");
         alarmed.push(metric);
     }
-    assert!(alarmed.contains(&"OldestDuePendingSeconds"), "no alarm on the backlog's age: {alarmed:?}");
+    assert!(alarmed.contains(&"OldestClaimableSeconds"), "no alarm on the backlog's age: {alarmed:?}");
 }
 
 /// The dashboard's body is JSON once CloudFormation substitutes its `${…}` (nothing checks it

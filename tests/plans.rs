@@ -227,6 +227,33 @@ async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finishe
     assert_claim_reads_its_indexes(explained);
 }
 
+/// The scheduler's gauges, every maintenance interval, read only the partial indexes of
+/// unfinished rows: neither the finished history nor the table, with a group in the backlog.
+#[tokio::test]
+async fn the_gauges_read_the_indexes_of_unfinished_rows_only() {
+    let pool = common::database().await;
+    history_and_deep_backlog(&pool).await;
+    sqlx::query("UPDATE rowq.jobs SET group_key = 'g' WHERE id % 2 = 0 AND state = 'pending'")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let explained: Value = sqlx::query_scalar(explain(rowq::store::admin::GAUGES_SQL))
+        .bind("default")
+        .bind(100_000_i64)
+        .bind(10_000_i64)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let nodes = plan_nodes(explained);
+    assert_scans_no_table("gauges", &nodes);
+    let unfinished =
+        ["jobs_claim_idx", "jobs_pending_run_at_idx", "jobs_group_idx", "jobs_dispatched_idx", "jobs_running_idx"];
+    let read: Vec<&str> = nodes.iter().map(|(_, index)| index.as_str()).filter(|index| !index.is_empty()).collect();
+    assert!(read.iter().all(|index| unfinished.contains(index)), "the gauges read another index: {nodes:?}");
+    assert!(read.contains(&"jobs_group_idx"), "the claimable wait does not test jobs' groups: {nodes:?}");
+}
+
 /// The claim reads the pending index and updates by primary key, and scans no table.
 fn assert_claim_reads_its_indexes(explained: Value) {
     let nodes = plan_nodes(explained);

@@ -43,7 +43,8 @@ pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) 
 }
 
 /// The claim statement of [`claim_due_within`] (public so that tests can `EXPLAIN` it).
-pub const CLAIM_SQL: &str = r#"
+pub const CLAIM_SQL: &str = concat!(
+    r#"
         WITH in_flight AS (
             SELECT count(*) AS n, set_config('synchronous_commit', 'off', true) AS commit_mode
             FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
@@ -54,11 +55,9 @@ pub const CLAIM_SQL: &str = r#"
             WHERE j.state = 'pending'
               AND j.queue = $1
               AND j.run_at <= now()
-              AND (j.group_key IS NULL OR NOT EXISTS (
-                    SELECT 1 FROM rowq.jobs earlier
-                    WHERE earlier.group_key = j.group_key
-                      AND earlier.id < j.id
-                      AND earlier.state IN ('pending', 'dispatched', 'running')))
+              AND "#,
+    super::first_of_its_group!(),
+    r#"
             ORDER BY j.priority DESC, j.run_at, j.id
             LIMIT least($2, greatest(0, $4 - (SELECT n FROM in_flight)))
             FOR UPDATE SKIP LOCKED
@@ -78,7 +77,8 @@ pub const CLAIM_SQL: &str = r#"
         SELECT c.id, c.dispatch_gen, c.group_key, c.created_at, in_flight.n, next_due.at
         FROM in_flight CROSS JOIN next_due LEFT JOIN claimed c ON true
         ORDER BY c.priority DESC, c.run_at, c.id
-        "#;
+        "#
+);
 
 /// What one claim statement did and saw.
 #[derive(Debug, Clone, PartialEq, Eq)]

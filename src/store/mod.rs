@@ -9,6 +9,21 @@
 //! - [`admin`]: enqueue, read, list, cancel, retry, stats (the CLI and tests).
 //! - [`kept`]: the connections a busy worker keeps between its statements.
 
+/// The claim's test of a pending row `j`: no earlier job of its `group_key` is unfinished, so
+/// the group runs one at a time, in id order, even across retries. One text for the claim
+/// ([`dispatch::CLAIM_SQL`]) and the gauge of what a claim would take
+/// ([`admin::queue_gauges`]), so that the gauge cannot drift from the claim.
+macro_rules! first_of_its_group {
+    () => {
+        "(j.group_key IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM rowq.jobs earlier
+                    WHERE earlier.group_key = j.group_key
+                      AND earlier.id < j.id
+                      AND earlier.state IN ('pending', 'dispatched', 'running')))"
+    };
+}
+pub(crate) use first_of_its_group;
+
 pub mod admin;
 pub mod dispatch;
 pub mod kept;
