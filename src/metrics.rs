@@ -1,9 +1,10 @@
 //! rowq's metrics, as CloudWatch Embedded Metric Format lines on stdout, when
 //! `ROWQ_METRICS_NAMESPACE` names a namespace: the scheduler's gauges of its queue
 //! ([`QueueGauges`], every maintenance interval) and the worker's count of what each batch did
-//! ([`Tally`]): its executions by kind, with how long each ran, and the messages it did not run. CloudWatch Logs turns each such line of a Lambda's (or an ECS task's `awslogs`)
-//! output into metric values: no SDK call, no permission beyond writing the logs, nothing lost
-//! to a metrics agent. The logs themselves go to stderr, so stdout carries only these lines.
+//! ([`Tally`]): its executions by kind, with how long each ran, and the messages it did not
+//! run. CloudWatch Logs turns each such line of a Lambda's (or an ECS task's `awslogs`) output
+//! into metric values: no SDK call, no permission beyond writing the logs, nothing lost to a
+//! metrics agent. The logs themselves go to stderr, so stdout carries only these lines.
 //!
 //! Only the database knows how long due jobs have waited: a scheduler that stopped, sends that
 //! SQS refuses, an in-flight cap that is too low all show as `OldestClaimableSeconds` growing,

@@ -282,7 +282,7 @@ pub struct QueueGauges {
     /// without the jobs waiting behind an unfinished one of their `group_key`, which wait for
     /// a job in flight or in its backoff, not for the scheduler: it grows only when dispatch
     /// itself is held up. When all of the [`CLAIMABLE_WINDOW`] oldest due jobs wait behind their
-    /// groups, it is the youngest of those's wait: no claimable job has waited longer.
+    /// groups, it is the wait of the youngest of them: no claimable job has waited longer.
     pub oldest_claimable_secs: f64,
     /// `pending` jobs that are due, up to [`GAUGE_COUNT_CAP`].
     pub due_pending: i64,
