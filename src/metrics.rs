@@ -29,13 +29,17 @@ pub const GAUGES: [(&str, &str); 5] = [
 /// The worker's metrics of one kind's executions in a batch, in the order of [`KindTally`]'s
 /// fields: name and unit. Each line of them carries the dimensions `Queue` and `Kind`, and
 /// CloudWatch also sums them by `Queue` alone ([`KIND_DIMENSIONS`]).
-pub const EXECUTIONS: [(&str, &str); 5] = [
+pub const EXECUTIONS: [(&str, &str); 6] = [
     ("JobsSucceeded", "Count"),
     ("JobsRetried", "Count"),
     ("JobsFailed", "Count"),
     ("JobsSuperseded", "Count"),
     ("JobDuration", "Milliseconds"),
+    ("JobWait", "Milliseconds"),
 ];
+
+/// Where [`EXECUTIONS`]' metrics of one value per execution begin: `JobDuration`, `JobWait`.
+const PER_EXECUTION: usize = 4;
 
 /// The worker's metrics of the messages of a batch it did not run, in the order of [`Tally`]'s
 /// fields: name and unit. Their line carries the dimension `Queue`.
@@ -82,6 +86,9 @@ pub struct KindTally {
     pub superseded: u32,
     /// How long each of those executions' handlers ran, in milliseconds.
     pub durations_ms: Vec<f64>,
+    /// How long each of those jobs had been due when its execution started, in milliseconds:
+    /// the time from `run_at` to the fence, in the same order as `durations_ms`.
+    pub waits_ms: Vec<f64>,
 }
 
 impl Tally {
@@ -91,20 +98,28 @@ impl Tally {
         let at = match self.kinds.iter().position(|counted| counted.kind == kind) {
             Some(at) => at,
             None => {
-                // Room for an SQS batch's durations: one allocation, not four growing to ten.
-                let durations_ms = Vec::with_capacity(SQS_BATCH);
-                self.kinds.push(KindTally { kind: kind.to_string(), durations_ms, ..KindTally::default() });
+                // Room for an SQS batch's values: one allocation each, not four growing to ten.
+                let (durations_ms, waits_ms) = (Vec::with_capacity(SQS_BATCH), Vec::with_capacity(SQS_BATCH));
+                self.kinds.push(KindTally { kind: kind.to_string(), durations_ms, waits_ms, ..KindTally::default() });
                 self.kinds.len() - 1
             }
         };
         &mut self.kinds[at]
     }
 
-    /// Counts one execution of `kind` that ran for `ran_for`; `outcome` picks its count.
-    pub fn execution(&mut self, kind: &str, ran_for: Duration, outcome: fn(&mut KindTally) -> &mut u32) {
+    /// Counts one execution of `kind` that started `waited_ms` after its job was due and ran for
+    /// `ran_for`; `outcome` picks its count.
+    pub fn execution(
+        &mut self,
+        kind: &str,
+        waited_ms: f64,
+        ran_for: Duration,
+        outcome: fn(&mut KindTally) -> &mut u32,
+    ) {
         let counted = self.of_kind(kind);
         *outcome(counted) += 1;
         counted.durations_ms.push(ran_for.as_secs_f64() * 1000.0);
+        counted.waits_ms.push(waited_ms.max(0.0));
     }
 
     /// Whether the batch counted no message that was not run.
@@ -152,19 +167,23 @@ pub fn gauges_line(namespace: &str, queue: &str, gauges: &QueueGauges, at: Syste
     line(namespace, at, &[("Queue", queue)], &[&["Queue"]], &GAUGES, values)
 }
 
-/// The worker's lines of one batch: one per kind it ran (more for a kind whose durations do not
-/// fit one line), then one of the messages it did not run, if there were any.
+/// The worker's lines of one batch: one per kind it ran (more for a kind whose values per
+/// execution do not fit one line), then one of the messages it did not run, if there were any.
 pub fn outcomes_lines(namespace: &str, queue: &str, tally: &Tally, at: SystemTime) -> Vec<String> {
     let mut lines = Vec::new();
     for kind in &tally.kinds {
         let dimensions = [("Queue", queue), ("Kind", kind.kind.as_str())];
-        let mut durations = kind.durations_ms.chunks(VALUES_PER_LINE);
-        let first = durations.next().unwrap_or_default();
-        let counts = [kind.succeeded, kind.retried, kind.failed, kind.superseded].map(|count| json!(count));
-        let values = counts.into_iter().chain([json!(first)]).collect();
-        lines.push(line(namespace, at, &dimensions, &KIND_DIMENSIONS, &EXECUTIONS, values));
-        for more in durations {
-            lines.push(line(namespace, at, &dimensions, &KIND_DIMENSIONS, &EXECUTIONS[4..], vec![json!(more)]));
+        let chunks = kind.durations_ms.chunks(VALUES_PER_LINE).zip(kind.waits_ms.chunks(VALUES_PER_LINE));
+        for (n, (durations, waits)) in chunks.enumerate() {
+            let per_execution = [json!(durations), json!(waits)];
+            if n == 0 {
+                let counts = [kind.succeeded, kind.retried, kind.failed, kind.superseded].map(|count| json!(count));
+                let values = counts.into_iter().chain(per_execution).collect();
+                lines.push(line(namespace, at, &dimensions, &KIND_DIMENSIONS, &EXECUTIONS, values));
+            } else {
+                let metrics = &EXECUTIONS[PER_EXECUTION..];
+                lines.push(line(namespace, at, &dimensions, &KIND_DIMENSIONS, metrics, per_execution.to_vec()));
+            }
         }
     }
     if !tally.no_messages() {
@@ -236,14 +255,19 @@ mod tests {
         Duration::from_micros(n * 1000 + 250)
     }
 
+    /// A wait that tells its execution apart from the others: 2n + 0.5 ms.
+    fn wait(n: u64) -> f64 {
+        n as f64 * 2.0 + 0.5
+    }
+
     #[test]
     fn a_batch_prints_a_line_per_kind_with_each_executions_time_then_one_of_its_messages() {
         let mut tally = Tally { stale: 5, returned: 6, malformed: 7, ..Tally::default() };
-        tally.execution("resize", ms(12), |kind| &mut kind.succeeded);
-        tally.execution("email", ms(3), |kind| &mut kind.failed);
-        tally.execution("resize", ms(40), |kind| &mut kind.retried);
-        tally.execution("resize", ms(1), |kind| &mut kind.succeeded);
-        tally.execution("email", ms(2), |kind| &mut kind.superseded);
+        tally.execution("resize", wait(12), ms(12), |kind| &mut kind.succeeded);
+        tally.execution("email", wait(3), ms(3), |kind| &mut kind.failed);
+        tally.execution("resize", wait(40), ms(40), |kind| &mut kind.retried);
+        tally.execution("resize", wait(1), ms(1), |kind| &mut kind.succeeded);
+        tally.execution("email", wait(2), ms(2), |kind| &mut kind.superseded);
         let lines = outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT);
         assert_eq!(lines.len(), 3, "{lines:?}");
 
@@ -252,9 +276,11 @@ mod tests {
         let counts = |line: &Value| EXECUTIONS[..4].iter().map(|(name, _)| line[*name].as_u64()).collect::<Vec<_>>();
         assert_eq!(counts(&resize), [2, 1, 0, 0].map(Some));
         assert_eq!(resize["JobDuration"], json!([12.25, 40.25, 1.25]));
+        assert_eq!(resize["JobWait"], json!([24.5, 80.5, 2.5]));
         let email = checked(&lines[1], by_kind, &[("Queue", "emails"), ("Kind", "email")], &EXECUTIONS);
         assert_eq!(counts(&email), [0, 0, 1, 1].map(Some));
         assert_eq!(email["JobDuration"], json!([3.25, 2.25]));
+        assert_eq!(email["JobWait"], json!([6.5, 4.5]));
 
         let messages = checked(&lines[2], json!([["Queue"]]), &[("Queue", "emails")], &MESSAGES);
         assert_eq!(MESSAGES.map(|(name, _)| messages[name].as_u64().unwrap()), [5, 6, 7]);
@@ -264,19 +290,19 @@ mod tests {
     fn a_batch_that_ran_every_message_prints_no_messages_line_and_one_that_counted_nothing_prints_none() {
         let mut tally = Tally::default();
         assert_eq!(outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT), Vec::<String>::new());
-        tally.execution("resize", ms(1), |kind| &mut kind.succeeded);
+        tally.execution("resize", wait(1), ms(1), |kind| &mut kind.succeeded);
         let lines = outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT);
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(lines[0].contains("\"Kind\":\"resize\""), "{lines:?}");
     }
 
-    /// EMF takes at most 100 values of a metric in a line: a kind's further durations go on
-    /// lines of their own, which count nothing twice.
+    /// EMF takes at most 100 values of a metric in a line: a kind's further durations and waits
+    /// go on lines of their own, which count nothing twice.
     #[test]
-    fn durations_beyond_a_lines_hundred_values_go_on_further_lines() {
+    fn values_beyond_a_lines_hundred_go_on_further_lines() {
         let mut tally = Tally::default();
         for n in 0..230 {
-            tally.execution("resize", ms(n), |kind| &mut kind.succeeded);
+            tally.execution("resize", wait(n), ms(n), |kind| &mut kind.succeeded);
         }
         let lines = outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT);
         assert_eq!(lines.len(), 3, "{lines:?}");
@@ -284,16 +310,14 @@ mod tests {
         let sets = json!([["Queue"], ["Queue", "Kind"]]);
         let first = checked(&lines[0], sets.clone(), &dimensions, &EXECUTIONS);
         assert_eq!(first["JobsSucceeded"], 230);
-        let mut durations = first["JobDuration"].as_array().unwrap().clone();
-        for more in &lines[1..] {
-            let line = checked(more, sets.clone(), &dimensions, &EXECUTIONS[4..]);
-            durations.extend(line["JobDuration"].as_array().unwrap().iter().cloned());
-        }
-        let lengths: Vec<usize> = [&lines[0], &lines[1], &lines[2]]
-            .iter()
-            .map(|text| serde_json::from_str::<Value>(text).unwrap()["JobDuration"].as_array().unwrap().len())
-            .collect();
-        assert_eq!(lengths, [100, 100, 30]);
-        assert_eq!(durations, (0..230).map(|n| json!(n as f64 + 0.25)).collect::<Vec<_>>());
+        let further =
+            lines[1..].iter().map(|more| checked(more, sets.clone(), &dimensions, &EXECUTIONS[PER_EXECUTION..]));
+        let parsed: Vec<Value> = std::iter::once(first).chain(further).collect();
+        let values = |name: &str| parsed.iter().map(|line| line[name].as_array().unwrap().clone()).collect::<Vec<_>>();
+        let (durations, waits) = (values("JobDuration"), values("JobWait"));
+        assert_eq!(durations.iter().map(Vec::len).collect::<Vec<_>>(), [100, 100, 30]);
+        assert_eq!(waits.iter().map(Vec::len).collect::<Vec<_>>(), [100, 100, 30]);
+        assert_eq!(durations.concat(), (0..230).map(|n| json!(n as f64 + 0.25)).collect::<Vec<_>>());
+        assert_eq!(waits.concat(), (0..230).map(|n| json!(wait(n))).collect::<Vec<_>>());
     }
 }

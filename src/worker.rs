@@ -402,14 +402,14 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
     let job = &execution.job;
     match &execution.outcome {
         Outcome::Succeeded { .. } => {
-            tally.execution(&job.kind, execution.ran_for, |kind| &mut kind.succeeded);
+            tally.execution(&job.kind, job.waited_ms, execution.ran_for, |kind| &mut kind.succeeded);
             tracing::info!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "succeeded", "job succeeded"
             )
         }
         Outcome::RetryLater { error, backoff } => {
-            tally.execution(&job.kind, execution.ran_for, |kind| &mut kind.retried);
+            tally.execution(&job.kind, job.waited_ms, execution.ran_for, |kind| &mut kind.retried);
             tracing::warn!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "pending", backoff_ms = backoff.as_millis() as u64, error = %error,
@@ -417,7 +417,7 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
             )
         }
         Outcome::Failed { error } => {
-            tally.execution(&job.kind, execution.ran_for, |kind| &mut kind.failed);
+            tally.execution(&job.kind, job.waited_ms, execution.ran_for, |kind| &mut kind.failed);
             tracing::error!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "failed", error = %error, "job failed"
@@ -428,7 +428,8 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
 
 /// Logs an execution whose outcome was discarded and counts it in the batch's `tally`.
 fn report_superseded(execution: &Execution, tally: &mut Tally) {
-    tally.execution(&execution.job.kind, execution.ran_for, |kind| &mut kind.superseded);
+    let job = &execution.job;
+    tally.execution(&job.kind, job.waited_ms, execution.ran_for, |kind| &mut kind.superseded);
     tracing::warn!(
         job.id = execution.job.id.0,
         job.attempt = execution.job.attempt,

@@ -974,6 +974,34 @@ async fn a_finish_and_a_fence_asked_at_once_share_one_statement_and_keep_their_g
     assert_eq!((stale.state, stale.dispatch_gen), (JobState::Dispatched, 2), "generation guard");
 }
 
+/// Each execution learns from its fence how long its job had been due (the worker's `JobWait`
+/// metric), by the database's clock, whether the fence went alone or in one statement with a
+/// finish.
+#[tokio::test]
+async fn a_fence_says_how_long_each_job_had_been_due_alone_or_beside_a_finish() {
+    let pool = common::database().await;
+    let ids: Vec<JobId> = sqlx::query_scalar(
+        "INSERT INTO rowq.jobs (kind, run_at) VALUES
+            ('noop', now() - interval '90 seconds'), ('noop', now() - interval '30 seconds') RETURNING id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    claim_due(&pool, "default", 2, Duration::from_secs(60)).await.unwrap();
+    let request = |id| StartRequest { id, dispatch_gen: 1, lease: Duration::from_secs(60) };
+    let alone = start(&pool, &[request(ids[0])]).await.unwrap();
+
+    let finish = Finish { id: ids[0], dispatch_gen: 1, attempt: 1, outcome: Outcome::Succeeded { result: json!(1) } };
+    let mut connection = pool.acquire().await.unwrap();
+    let done = step(&mut connection, vec![Step::Finish(finish), Step::Start(request(ids[1]))]).await.unwrap();
+    let beside: Vec<_> = done.into_iter().filter_map(Done::started).collect();
+    let finished_at = common::job(&pool, ids[0]).await.finished_at;
+    assert_eq!(finished_at, common::job(&pool, ids[1]).await.started_at, "one statement");
+
+    let seconds = [alone[0].waited_ms / 1000.0, beside[0].waited_ms / 1000.0];
+    assert!((90.0..100.0).contains(&seconds[0]) && (30.0..40.0).contains(&seconds[1]), "{seconds:?}");
+}
+
 /// A job named by a finish and by a fence at once (a stalled execution reports while a
 /// redelivered message takes it over) is asked in two statements: in one, the two `UPDATE`s
 /// would race for the row on one snapshot, and which of them took it would be Postgres's

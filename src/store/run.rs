@@ -37,9 +37,13 @@ pub struct Started {
     pub payload: serde_json::Value,
     pub group_key: Option<String>,
     pub run_deadline: DateTime<Utc>,
+    /// How long the job had been due when this execution started, in milliseconds: from its
+    /// `run_at` (when it was enqueued for, or its retry's backoff ended) to the fence's `now()`,
+    /// both the database's clock.
+    pub waited_ms: f64,
 }
 
-from_row!(Started { id, dispatch_gen, attempt = "attempts", max_attempts, kind, payload, group_key, run_deadline });
+from_row!(Started { id, dispatch_gen, attempt = "attempts", max_attempts, kind, payload, group_key, run_deadline, waited_ms });
 
 /// The fence statement of [`start`] (public so that tests can `EXPLAIN` it).
 pub const START_SQL: &str = r#"
@@ -54,7 +58,8 @@ pub const START_SQL: &str = r#"
           AND j.dispatch_gen = ($2::bigint[])[width_bucket(j.id, $1::bigint[])]
           AND j.attempts < j.max_attempts
           AND (j.state::text = 'dispatched' OR (j.state::text = 'running' AND j.run_deadline < now()))
-        RETURNING j.id, j.dispatch_gen, j.attempts, j.max_attempts, j.kind, j.payload, j.group_key, j.run_deadline
+        RETURNING j.id, j.dispatch_gen, j.attempts, j.max_attempts, j.kind, j.payload, j.group_key, j.run_deadline,
+                  extract(epoch FROM now() - j.run_at)::float8 * 1000 AS waited_ms
         "#;
 
 /// The statement of [`finish`] when every outcome is a success, the common case (public so
@@ -376,10 +381,11 @@ pub static STEP_SQL: LazyLock<String> = LazyLock::new(|| {
         started AS ({start})
         SELECT false AS started, id, dispatch_gen, attempts,
                NULL::int AS max_attempts, NULL::text AS kind, NULL::jsonb AS payload,
-               NULL::text AS group_key, NULL::timestamptz AS run_deadline
+               NULL::text AS group_key, NULL::timestamptz AS run_deadline, NULL::float8 AS waited_ms
         FROM finished
         UNION ALL
-        SELECT true, id, dispatch_gen, attempts, max_attempts, kind::text, payload, group_key::text, run_deadline
+        SELECT true, id, dispatch_gen, attempts, max_attempts, kind::text, payload, group_key::text, run_deadline,
+               waited_ms
         FROM started",
         start = START_SQL.replace("$1", "$5").replace("$2", "$6").replace("$3", "$7"),
     )
@@ -426,6 +432,7 @@ pub async fn step(connection: &mut PgConnection, steps: Vec<Step>) -> Result<Vec
         Option<serde_json::Value>,
         Option<String>,
         Option<DateTime<Utc>>,
+        Option<f64>,
     );
     let (ids, gens, attempts, results) = success_arrays(finishes);
     let (start_ids, start_gens, leases) = start_arrays(starts);
@@ -440,21 +447,24 @@ pub async fn step(connection: &mut PgConnection, steps: Vec<Step>) -> Result<Vec
         .fetch_all(&mut *connection)
         .await?;
     rows.into_iter()
-        .map(|(started, id, dispatch_gen, attempt, max_attempts, kind, payload, group_key, run_deadline)| {
+        .map(|(started, id, dispatch_gen, attempt, max_attempts, kind, payload, group_key, run_deadline, waited_ms)| {
             if !started {
                 return Ok(Done::Finished(Finished { id, dispatch_gen, attempt }));
             }
-            match (max_attempts, kind, payload, run_deadline) {
-                (Some(max_attempts), Some(kind), Some(payload), Some(run_deadline)) => Ok(Done::Started(Started {
-                    id,
-                    dispatch_gen,
-                    attempt,
-                    max_attempts,
-                    kind,
-                    payload,
-                    group_key,
-                    run_deadline,
-                })),
+            match (max_attempts, kind, payload, run_deadline, waited_ms) {
+                (Some(max_attempts), Some(kind), Some(payload), Some(run_deadline), Some(waited_ms)) => {
+                    Ok(Done::Started(Started {
+                        id,
+                        dispatch_gen,
+                        attempt,
+                        max_attempts,
+                        kind,
+                        payload,
+                        group_key,
+                        run_deadline,
+                        waited_ms,
+                    }))
+                }
                 _ => Err(sqlx::Error::Protocol(format!("started job {} came back without its columns", id.0))),
             }
         })
