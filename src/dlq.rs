@@ -3,10 +3,12 @@
 //! terminal, or dispatched again since (a newer generation), are left alone.
 
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent};
 use sqlx::PgPool;
 
+use crate::config::MetricsTarget;
 use crate::store::run;
 use crate::worker::{batch_response, decode_record};
 
@@ -15,10 +17,14 @@ pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
 
 /// Handles one batch from the DLQ. Only a database failure reports a record failed (SQS
 /// delivers it again); malformed bodies are acknowledged and logged. A failed job of a group
-/// lets the group's next one go, so then the schedulers are woken, as the worker does.
-pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
+/// lets the group's next one go, so then the schedulers are woken, as the worker does. With
+/// `metrics`, the batch ends with a line per kind of how many jobs it failed
+/// ([`crate::metrics::dead_letters_lines`]): the poison jobs, by kind, which the worker never
+/// finished and so never counted.
+pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&MetricsTarget>) -> SqsBatchResponse {
     let mut failed = Vec::new();
     let mut group_moved = false;
+    let mut by_kind: Vec<(String, u32)> = Vec::new();
     for record in event.records {
         let Some((message_id, message)) = decode_record(&record) else {
             continue;
@@ -31,6 +37,10 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
         match run::dead_letter(pool, message.job_id, message.dispatch_gen, &reason).await {
             Ok(Some(dead)) => {
                 group_moved |= dead.group_key.is_some();
+                match by_kind.iter_mut().find(|(kind, _)| *kind == dead.kind) {
+                    Some((_, count)) => *count += 1,
+                    None => by_kind.push((dead.kind.clone(), 1)),
+                }
                 tracing::error!(
                     job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,
                     job.from = dead.from.as_str(), job.to = "failed", error = %reason, "job dead-lettered"
@@ -49,15 +59,23 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent) -> SqsBatchResponse {
     if group_moved && let Err(error) = crate::store::wake_schedulers(pool, "group").await {
         tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
     }
+    if let Some(target) = metrics
+        && !by_kind.is_empty()
+    {
+        let lines = crate::metrics::dead_letters_lines(&target.namespace, &target.queue, &by_kind, SystemTime::now());
+        if let Err(error) = crate::metrics::print(&lines) {
+            tracing::warn!(error = %error, "could not write the metrics lines to stdout");
+        }
+    }
     batch_response(failed)
 }
 
-/// Runs the DLQ handler as a Lambda function.
-pub async fn run_lambda(pool: PgPool) -> Result<(), lambda_runtime::Error> {
-    let pool = Arc::new(pool);
+/// Runs the DLQ handler as a Lambda function, reporting to `metrics` if given.
+pub async fn run_lambda(pool: PgPool, metrics: Option<MetricsTarget>) -> Result<(), lambda_runtime::Error> {
+    let (pool, metrics) = (Arc::new(pool), Arc::new(metrics));
     lambda_runtime::run(lambda_runtime::service_fn(move |event: lambda_runtime::LambdaEvent<SqsEvent>| {
-        let pool = pool.clone();
-        async move { Ok::<_, lambda_runtime::Error>(handle_batch(&pool, event.payload).await) }
+        let (pool, metrics) = (pool.clone(), metrics.clone());
+        async move { Ok::<_, lambda_runtime::Error>(handle_batch(&pool, event.payload, metrics.as_ref().as_ref()).await) }
     }))
     .await
 }

@@ -59,7 +59,7 @@ pub fn worker(mut config: WorkerConfig, registry: Registry) -> Result<(), Error>
 
 /// The dead-letter Lambda, set up as [`worker`].
 pub fn dlq_handler(mut config: WorkerConfig) -> Result<(), Error> {
-    block_on(async move { dlq::run_lambda(lazy_pool(&mut config.database).await?).await })
+    block_on(async move { dlq::run_lambda(lazy_pool(&mut config.database).await?, config.metrics).await })
 }
 
 /// The scheduler: migrates, then publishes to `ROWQ_QUEUE_URL` until SIGTERM or SIGINT (with

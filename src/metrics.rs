@@ -46,6 +46,10 @@ const PER_EXECUTION: usize = 4;
 pub const MESSAGES: [(&str, &str); 3] =
     [("MessagesStale", "Count"), ("MessagesReturned", "Count"), ("MessagesMalformed", "Count")];
 
+/// The DLQ handler's metric, one line per kind a batch failed, with [`KIND_DIMENSIONS`]: jobs it
+/// marked `failed` because SQS gave up on their message.
+pub const DEAD_LETTERS: [(&str, &str); 1] = [("JobsDeadLettered", "Count")];
+
 /// The dimension sets of a kind's line: each value counts by queue and kind, and by queue.
 pub const KIND_DIMENSIONS: [&[&str]; 2] = [&["Queue"], &["Queue", "Kind"]];
 
@@ -193,6 +197,15 @@ pub fn outcomes_lines(namespace: &str, queue: &str, tally: &Tally, at: SystemTim
     lines
 }
 
+/// The DLQ handler's lines of one batch: how many jobs of each kind it marked `failed`.
+pub fn dead_letters_lines(namespace: &str, queue: &str, by_kind: &[(String, u32)], at: SystemTime) -> Vec<String> {
+    let line_of = |(kind, count): &(String, u32)| {
+        let dimensions = [("Queue", queue), ("Kind", kind.as_str())];
+        line(namespace, at, &dimensions, &KIND_DIMENSIONS, &DEAD_LETTERS, vec![json!(count)])
+    };
+    by_kind.iter().map(line_of).collect()
+}
+
 /// Writes `lines`, each followed by a newline, to stdout in one call, so that no other output
 /// splits them.
 pub fn print(lines: &[String]) -> std::io::Result<()> {
@@ -294,6 +307,18 @@ mod tests {
         let lines = outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT);
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(lines[0].contains("\"Kind\":\"resize\""), "{lines:?}");
+    }
+
+    #[test]
+    fn a_dead_letters_line_counts_one_kind_by_queue_and_by_kind() {
+        let by_kind = [("resize".to_string(), 2), ("email".to_string(), 1)];
+        let lines = dead_letters_lines("rowq/prod", "emails", &by_kind, UNIX_EPOCH + AT);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        let sets = json!([["Queue"], ["Queue", "Kind"]]);
+        for (text, (kind, count)) in lines.iter().zip(&by_kind) {
+            let line = checked(text, sets.clone(), &[("Queue", "emails"), ("Kind", kind)], &DEAD_LETTERS);
+            assert_eq!(line["JobsDeadLettered"], *count, "{line}");
+        }
     }
 
     /// EMF takes at most 100 values of a metric in a line: a kind's further durations and waits

@@ -51,6 +51,7 @@ impl Pipeline {
         let source = &config.event_source;
         let jobs =
             Arc::new(EventSource::new(client.clone(), &source.queue_url, source.wait, source.function_timeout).await?);
+        let metrics = worker.metrics().cloned();
         let worker = Arc::new(worker);
         let handler = move |event, deadline: Instant, poller, returned| {
             let worker = worker.clone();
@@ -69,8 +70,8 @@ impl Pipeline {
                 let dlq =
                     Arc::new(EventSource::new(client.clone(), dlq_url, source.wait, source.function_timeout).await?);
                 let handler = move |event, _deadline: Instant, _poller, _returned| {
-                    let pool = pool.clone();
-                    async move { crate::dlq::handle_batch(&pool, event).await }
+                    let (pool, metrics) = (pool.clone(), metrics.clone());
+                    async move { crate::dlq::handle_batch(&pool, event, metrics.as_ref()).await }
                 };
                 tasks.spawn({
                     let (dlq, shutdown) = (dlq.clone(), shutdown.clone());

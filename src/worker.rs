@@ -131,6 +131,12 @@ impl Worker {
         &self.pool
     }
 
+    /// Where this worker reports its metrics, if anywhere (the DLQ handler beside it reports
+    /// there too).
+    pub fn metrics(&self) -> Option<&crate::config::MetricsTarget> {
+        self.config.metrics.as_ref()
+    }
+
     /// Handles one SQS batch; `deadline` is when the invocation ends (Lambda's deadline).
     pub async fn handle_batch(&self, event: SqsEvent, deadline: Instant) -> SqsBatchResponse {
         self.handle_batch_then(event, deadline, 0, None).await

@@ -2,7 +2,7 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::time::Duration;
 
 use rowq::pipeline::Pipeline;
@@ -20,6 +20,21 @@ fn command(binary: &str, pool: &PgPool) -> Command {
         .env("AWS_ACCESS_KEY_ID", "test")
         .env("AWS_SECRET_ACCESS_KEY", "test");
     command
+}
+
+/// `rowq work` on `queue_url`, reporting metrics under `rowq/test` for the queue `emails`, its
+/// output piped; `settings` are more environment variables.
+fn work_reporting_metrics(pool: &PgPool, queue_url: &str, settings: &[(&str, &str)]) -> Child {
+    let mut work = command(env!("CARGO_BIN_EXE_rowq"), pool);
+    work.arg("work")
+        .env("ROWQ_QUEUE_URL", queue_url)
+        .env("ROWQ_METRICS_NAMESPACE", "rowq/test")
+        .env("ROWQ_QUEUE", "emails")
+        .env("ROWQ_WAIT_SECS", "1")
+        .envs(settings.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    work.spawn().expect("start rowq work")
 }
 
 fn rowq(pool: &PgPool, args: &[&str]) -> Output {
@@ -271,18 +286,8 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
         .await
         .expect("send a malformed message");
 
-    let worker = command(env!("CARGO_BIN_EXE_rowq"), &pool)
-        .arg("work")
-        .env("ROWQ_QUEUE_URL", &queues.queue_url)
-        .env("ROWQ_METRICS_NAMESPACE", "rowq/test")
-        .env("ROWQ_QUEUE", "emails")
-        .env("ROWQ_WAIT_SECS", "1")
-        .env("ROWQ_BACKOFF_BASE_MS", "60000")
-        .env("ROWQ_BACKOFF_MAX_SECS", "60")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start rowq work");
+    let backoff = [("ROWQ_BACKOFF_BASE_MS", "60000"), ("ROWQ_BACKOFF_MAX_SECS", "60")];
+    let worker = work_reporting_metrics(&pool, &queues.queue_url, &backoff);
     let started = std::time::Instant::now();
     let finished = loop {
         let counts: (i64, i64) = sqlx::query_as(
@@ -348,4 +353,40 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
         let sets = if line["Kind"].is_string() { json!([["Queue"], ["Queue", "Kind"]]) } else { json!([["Queue"]]) };
         assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Dimensions"], sets, "{line}");
     }
+}
+
+/// The DLQ handler, given the same namespace, prints how many jobs of each kind it failed: `rowq
+/// work` serves the DLQ too, and a message there for a dispatched job fails it.
+#[tokio::test]
+async fn the_dlq_handler_prints_the_jobs_it_failed_by_kind_as_cloudwatch_metrics_on_stdout() {
+    let pool = common::database().await;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let id: rowq::JobId = sqlx::query_scalar(
+        "INSERT INTO rowq.jobs (kind, state, dispatch_gen) VALUES ('resize_image', 'dispatched', 1) RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(common::send_job_messages(&client, &queues.dlq_url, &[(id, 1)], "dead").await, Ok(1));
+
+    let worker = work_reporting_metrics(&pool, &queues.queue_url, &[("ROWQ_DLQ_URL", &queues.dlq_url)]);
+    let started = std::time::Instant::now();
+    while common::job(&pool, id).await.state != rowq::JobState::Failed && started.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut worker = worker;
+    worker.kill().expect("stop rowq work");
+    let output = worker.wait_with_output().expect("rowq work's output");
+    assert_eq!(common::job(&pool, id).await.state, rowq::JobState::Failed, "{}", stderr(&output));
+
+    let lines = json_lines(&output);
+    assert_eq!(lines.len(), 1, "one line for the one kind: {lines:?}");
+    let line = &lines[0];
+    assert_eq!(
+        (&line["Queue"], &line["Kind"], &line["JobsDeadLettered"]),
+        (&json!("emails"), &json!("resize_image"), &json!(1))
+    );
+    assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Namespace"], "rowq/test", "{line}");
+    assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Dimensions"], json!([["Queue"], ["Queue", "Kind"]]), "{line}");
 }

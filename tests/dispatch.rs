@@ -632,7 +632,7 @@ async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     assert!(admin::cancel(&pool, cancelled.0).await.unwrap().is_some());
     wait_dispatched(&pool, cancelled.1, "the next job after its head was cancelled").await;
 
-    assert!(dlq::handle_batch(&pool, message(dead_lettered.0)).await.batch_item_failures.is_empty());
+    assert!(dlq::handle_batch(&pool, message(dead_lettered.0), None).await.batch_item_failures.is_empty());
     assert_eq!(common::job(&pool, dead_lettered.0).await.state, JobState::Failed);
     wait_dispatched(&pool, dead_lettered.1, "the next job after its head was dead-lettered").await;
 

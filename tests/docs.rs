@@ -96,19 +96,23 @@ fn the_readme_documents_every_setting_the_code_reads() {
 /// Every metric the scheduler and the worker print.
 fn printed_metrics() -> Vec<&'static str> {
     let all = rowq::metrics::GAUGES.iter().chain(&rowq::metrics::EXECUTIONS).chain(&rowq::metrics::MESSAGES);
+    let all = all.chain(&rowq::metrics::DEAD_LETTERS);
     all.map(|(name, _)| *name).collect()
 }
 
-/// The template's alarms on rowq's own metrics read the namespace the scheduler and the worker
-/// are given, one for both, and names they print: a typo in either would leave an alarm on a
+/// The template's alarms on rowq's own metrics read the namespace the scheduler, the worker and
+/// the DLQ handler are given, one for all, and names they print: a typo in either would leave an alarm on a
 /// metric that never exists (and, missing data breaching, always firing).
 #[test]
 fn the_templates_alarms_read_the_metrics_rowq_prints() {
     let template = std::fs::read_to_string(root().join("template.yaml")).expect("read template.yaml");
     let lines: Vec<&str> = template.lines().map(str::trim).collect();
     let namespaces: Vec<&str> = lines.iter().filter_map(|line| line.strip_prefix("ROWQ_METRICS_NAMESPACE: ")).collect();
-    assert_eq!(namespaces.len(), 2, "the scheduler and the worker each set ROWQ_METRICS_NAMESPACE");
-    assert_eq!(namespaces[0], namespaces[1], "the scheduler and the worker report under two namespaces");
+    assert_eq!(namespaces.len(), 3, "the scheduler, the worker and the DLQ handler each set ROWQ_METRICS_NAMESPACE");
+    assert!(
+        namespaces.iter().all(|n| *n == namespaces[0]),
+        "the functions report under several namespaces: {namespaces:?}"
+    );
     let namespace = namespaces[0];
     let printed = printed_metrics();
     let mut alarmed = Vec::new();
@@ -143,7 +147,8 @@ fn the_templates_dashboard_is_json_and_graphs_the_metrics_rowq_prints() {
     let dashboard: serde_json::Value =
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("the dashboard is not JSON ({e}):\n{text}"));
     let printed = printed_metrics();
-    let by_kind: Vec<&str> = rowq::metrics::EXECUTIONS.iter().map(|(name, _)| *name).collect();
+    let by_kind: Vec<&str> =
+        rowq::metrics::EXECUTIONS.iter().chain(&rowq::metrics::DEAD_LETTERS).map(|(name, _)| *name).collect();
     let mut graphed = Vec::new();
     let mut searched = Vec::new();
     for widget in dashboard["widgets"].as_array().expect("widgets") {

@@ -268,7 +268,7 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
         .unwrap();
     let dlq_handler = |event: SqsEvent, _deadline: Instant, _poller, _returned| {
         let pool = pool.clone();
-        async move { dlq::handle_batch(&pool, event).await }
+        async move { dlq::handle_batch(&pool, event, None).await }
     };
     assert_eq!(dlq.poll_once(&dlq_handler).await.unwrap(), 1);
     let row = common::job(&pool, id).await;
@@ -307,7 +307,7 @@ async fn the_dlq_handler_leaves_finished_and_redispatched_jobs_alone() {
         record("c", "garbage".into()),
         record("d", JobMessage::new(dead, 1).encode()),
     ];
-    let response = dlq::handle_batch(&pool, event).await;
+    let response = dlq::handle_batch(&pool, event, None).await;
     assert!(response.batch_item_failures.is_empty());
     assert_eq!(common::job(&pool, finished).await.state, JobState::Succeeded);
     assert_eq!(common::job(&pool, redispatched).await.state, JobState::Dispatched);

@@ -563,9 +563,11 @@ pub struct DeadLettered {
     pub from: JobState,
     /// Its group, whose next job may now go.
     pub group_key: Option<String>,
+    /// Its kind, for the DLQ handler's metrics.
+    pub kind: String,
 }
 
-from_row!(DeadLettered { from = "state", group_key });
+from_row!(DeadLettered { from = "state", group_key, kind });
 
 /// The DLQ's transition: `dispatched | running → failed` for the dead-lettered generation,
 /// with `reason` as the error. Terminal rows and rows of a newer generation are left alone
@@ -589,7 +591,7 @@ pub async fn dead_letter(
             updated_at = now()
         FROM (SELECT state FROM rowq.jobs WHERE id = $1 FOR UPDATE) AS before
         WHERE j.id = $1 AND j.dispatch_gen = $2 AND j.state IN ('dispatched', 'running')
-        RETURNING before.state, j.group_key
+        RETURNING before.state, j.group_key, j.kind
         "#,
     )
     .bind(id)
