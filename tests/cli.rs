@@ -390,3 +390,23 @@ async fn the_dlq_handler_prints_the_jobs_it_failed_by_kind_as_cloudwatch_metrics
     assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Namespace"], "rowq/test", "{line}");
     assert_eq!(line["_aws"]["CloudWatchMetrics"][0]["Dimensions"], json!([["Queue"], ["Queue", "Kind"]]), "{line}");
 }
+
+/// `rowq stats` names the kinds that failed in the last hour, the most first: where to look,
+/// without a metrics system. Older failures and other states do not count.
+#[tokio::test]
+async fn stats_names_the_kinds_that_failed_in_the_last_hour() {
+    let pool = common::database().await;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, state, finished_at) VALUES
+            ('email', 'failed', now()), ('resize', 'failed', now() - interval '10 minutes'),
+            ('resize', 'failed', now()), ('resize', 'failed', now() - interval '2 hours'),
+            ('email', 'succeeded', now()), ('thumb', 'cancelled', now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let stats = json_of(&pool, &["stats"]);
+    assert_eq!(stats["failed_last_hour"], json!([{"kind": "resize", "count": 2}, {"kind": "email", "count": 1}]));
+    let text = stdout(&rowq(&pool, &["stats"]));
+    assert!(text.contains("failed in the last hour, by kind: resize 2, email 1"), "{text}");
+}

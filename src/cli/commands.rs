@@ -234,6 +234,10 @@ async fn stats(pool: &PgPool, json: bool) -> anyhow::Result<()> {
         stats.finished_last_minute,
         stats.finished_last_minute as f64 / 60.0
     );
+    if !stats.failed_last_hour.is_empty() {
+        let kinds: Vec<String> = stats.failed_last_hour.iter().map(|k| format!("{} {}", k.kind, k.count)).collect();
+        println!("failed in the last hour, by kind: {} (rowq list --state failed --kind KIND)", kinds.join(", "));
+    }
     for holder in &stats.cleanup_held_by {
         println!(
             "cleanup held back by {holder}: finished jobs' row versions stay until it ends, and claims slow down \

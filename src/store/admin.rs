@@ -232,10 +232,25 @@ pub struct Stats {
     pub oldest_pending_secs: Option<f64>,
     /// Jobs that reached a terminal state in the last minute.
     pub finished_last_minute: i64,
+    /// Jobs that failed in the last hour, by kind, the most first (at most
+    /// [`STATS_FAILED_KINDS`] kinds): which kind to look at, without a metrics system.
+    pub failed_last_hour: Vec<KindCount>,
     /// What has held the cleanup of finished jobs' row versions back for a minute or more
     /// ([`STATS_CLEANUP_HELD_FOR`]), oldest first: while it lasts, claims slow down.
     pub cleanup_held_by: Vec<CleanupHolder>,
 }
+
+/// Jobs of one kind.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KindCount {
+    pub kind: String,
+    pub count: i64,
+}
+
+from_row!(KindCount { kind, count });
+
+/// [`Stats::failed_last_hour`] names at most this many kinds.
+pub const STATS_FAILED_KINDS: i64 = 20;
 
 /// [`Stats::cleanup_held_by`] lists what has held the cleanup back for at least this long.
 pub const STATS_CLEANUP_HELD_FOR: Duration = Duration::from_secs(60);
@@ -257,8 +272,21 @@ pub async fn stats(pool: &PgPool) -> Result<Stats, sqlx::Error> {
     )
     .fetch_one(pool)
     .await?;
+    // Through the index of finished rows, by `finished_at` (the `IN` is that index's predicate):
+    // the last hour's rows only, however long the history.
+    let failed_last_hour = sqlx::query_as(
+        r#"
+        SELECT kind, count(*) AS count FROM rowq.jobs
+        WHERE state IN ('succeeded', 'failed', 'cancelled') AND state = 'failed'
+          AND finished_at > now() - interval '1 hour'
+        GROUP BY kind ORDER BY count(*) DESC, kind LIMIT $1
+        "#,
+    )
+    .bind(STATS_FAILED_KINDS)
+    .fetch_all(pool)
+    .await?;
     let cleanup_held_by = cleanup_holders(pool, STATS_CLEANUP_HELD_FOR).await?;
-    Ok(Stats { counts, oldest_pending_secs, finished_last_minute, cleanup_held_by })
+    Ok(Stats { counts, oldest_pending_secs, finished_last_minute, failed_last_hour, cleanup_held_by })
 }
 
 /// [`QueueGauges::due_pending`] counts no further than this, so that a backlog of millions costs
