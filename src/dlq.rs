@@ -9,6 +9,7 @@ use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent};
 use sqlx::PgPool;
 
 use crate::config::MetricsTarget;
+use crate::store::admin::KindCount;
 use crate::store::run;
 use crate::worker::{batch_response, decode_record};
 
@@ -24,7 +25,7 @@ pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
 pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&MetricsTarget>) -> SqsBatchResponse {
     let mut failed = Vec::new();
     let mut group_moved = false;
-    let mut by_kind: Vec<(String, u32)> = Vec::new();
+    let mut by_kind: Vec<KindCount> = Vec::new();
     for record in event.records {
         let Some((message_id, message)) = decode_record(&record) else {
             continue;
@@ -37,9 +38,9 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
         match run::dead_letter(pool, message.job_id, message.dispatch_gen, &reason).await {
             Ok(Some(dead)) => {
                 group_moved |= dead.group_key.is_some();
-                match by_kind.iter_mut().find(|(kind, _)| *kind == dead.kind) {
-                    Some((_, count)) => *count += 1,
-                    None => by_kind.push((dead.kind.clone(), 1)),
+                match by_kind.iter_mut().find(|counted| counted.kind == dead.kind) {
+                    Some(counted) => counted.count += 1,
+                    None => by_kind.push(KindCount { kind: dead.kind.clone(), count: 1 }),
                 }
                 tracing::error!(
                     job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,

@@ -28,7 +28,8 @@
 //! - [`dlq`]: the dead-letter handler.
 //! - [`event_source`]: the local stand-in for Lambda's SQS event source mapping.
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished rows.
-//! - [`metrics`]: the scheduler's gauges of its queue as CloudWatch Embedded Metric Format lines.
+//! - [`metrics`]: CloudWatch Embedded Metric Format lines: the scheduler's gauges of its queue,
+//!   what each of the worker's batches did by kind, the jobs the DLQ handler failed.
 //! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
 //! - [`entry`]: what the Lambda binaries and the scheduler run, on a one-thread runtime, compiled
 //!   once here instead of in each binary.

@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-use crate::store::admin::QueueGauges;
+use crate::store::admin::{KindCount, QueueGauges};
 
 /// The scheduler's metrics, in the order of [`QueueGauges`]'s fields: name and unit.
 pub const GAUGES: [(&str, &str); 5] = [
@@ -54,7 +54,8 @@ pub const DEAD_LETTERS: [(&str, &str); 1] = [("JobsDeadLettered", "Count")];
 pub const KIND_DIMENSIONS: [&[&str]; 2] = [&["Queue"], &["Queue", "Kind"]];
 
 /// The most values EMF takes for one metric in one line: a kind with more executions in a batch
-/// (only a standard queue's batches can be that large) has its durations on further lines.
+/// (only a standard queue's batches can be that large) has its further durations and waits on
+/// further lines.
 pub const VALUES_PER_LINE: usize = 100;
 
 /// The most records SQS delivers in one batch, from a FIFO queue.
@@ -65,6 +66,8 @@ const SQS_BATCH: usize = 10;
 pub struct Tally {
     /// The executions, by kind, in the order their kinds were first counted.
     pub kinds: Vec<KindTally>,
+    /// Whether executions go uncounted ([`Tally::messages_only`]).
+    skip_executions: bool,
     /// Messages acknowledged without running: a stale generation, or a duplicate.
     pub stale: u32,
     /// Messages reported to SQS as failed, for redelivery: the database was unreachable, or
@@ -88,23 +91,36 @@ pub struct KindTally {
     pub failed: u32,
     /// Executions whose outcome was discarded: the job was rescued or taken over meanwhile.
     pub superseded: u32,
-    /// How long each of those executions' handlers ran, in milliseconds.
-    pub durations_ms: Vec<f64>,
-    /// How long each of those jobs had been due when its execution started, in milliseconds:
-    /// the time from `run_at` to the fence, in the same order as `durations_ms`.
-    pub waits_ms: Vec<f64>,
+    /// Each of those executions' wait and run time.
+    pub timings: Vec<Timing>,
+}
+
+/// One execution's times, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timing {
+    /// How long its job had been due when it started: from `run_at` to the fence.
+    pub waited_ms: f64,
+    /// How long its handler ran.
+    pub ran_ms: f64,
 }
 
 impl Tally {
+    /// A tally that counts the messages a batch did not run but none of its executions: what a
+    /// worker that reports no metrics keeps, so that its hot path copies no kind and fills no
+    /// list of timings that nothing reads.
+    pub fn messages_only() -> Self {
+        Tally { skip_executions: true, ..Tally::default() }
+    }
+
     /// The count of `kind`'s executions, started at zero by the first of them. Private: every
     /// kind counted has a duration, so its line has a value of each metric.
     fn of_kind(&mut self, kind: &str) -> &mut KindTally {
         let at = match self.kinds.iter().position(|counted| counted.kind == kind) {
             Some(at) => at,
             None => {
-                // Room for an SQS batch's values: one allocation each, not four growing to ten.
-                let (durations_ms, waits_ms) = (Vec::with_capacity(SQS_BATCH), Vec::with_capacity(SQS_BATCH));
-                self.kinds.push(KindTally { kind: kind.to_string(), durations_ms, waits_ms, ..KindTally::default() });
+                // Room for an SQS batch's timings: one allocation, not four growing to ten.
+                let timings = Vec::with_capacity(SQS_BATCH);
+                self.kinds.push(KindTally { kind: kind.to_string(), timings, ..KindTally::default() });
                 self.kinds.len() - 1
             }
         };
@@ -112,7 +128,8 @@ impl Tally {
     }
 
     /// Counts one execution of `kind` that started `waited_ms` after its job was due and ran for
-    /// `ran_for`; `outcome` picks its count.
+    /// `ran_for`; `outcome` picks its count. A [`messages_only`](Self::messages_only) tally
+    /// counts nothing here.
     pub fn execution(
         &mut self,
         kind: &str,
@@ -120,10 +137,12 @@ impl Tally {
         ran_for: Duration,
         outcome: fn(&mut KindTally) -> &mut u32,
     ) {
+        if self.skip_executions {
+            return;
+        }
         let counted = self.of_kind(kind);
         *outcome(counted) += 1;
-        counted.durations_ms.push(ran_for.as_secs_f64() * 1000.0);
-        counted.waits_ms.push(waited_ms.max(0.0));
+        counted.timings.push(Timing { waited_ms: waited_ms.max(0.0), ran_ms: ran_for.as_secs_f64() * 1000.0 });
     }
 
     /// Whether the batch counted no message that was not run.
@@ -177,9 +196,10 @@ pub fn outcomes_lines(namespace: &str, queue: &str, tally: &Tally, at: SystemTim
     let mut lines = Vec::new();
     for kind in &tally.kinds {
         let dimensions = [("Queue", queue), ("Kind", kind.kind.as_str())];
-        let chunks = kind.durations_ms.chunks(VALUES_PER_LINE).zip(kind.waits_ms.chunks(VALUES_PER_LINE));
-        for (n, (durations, waits)) in chunks.enumerate() {
-            let per_execution = [json!(durations), json!(waits)];
+        for (n, timings) in kind.timings.chunks(VALUES_PER_LINE).enumerate() {
+            let ran: Vec<f64> = timings.iter().map(|t| t.ran_ms).collect();
+            let waited: Vec<f64> = timings.iter().map(|t| t.waited_ms).collect();
+            let per_execution = [json!(ran), json!(waited)];
             if n == 0 {
                 let counts = [kind.succeeded, kind.retried, kind.failed, kind.superseded].map(|count| json!(count));
                 let values = counts.into_iter().chain(per_execution).collect();
@@ -198,10 +218,10 @@ pub fn outcomes_lines(namespace: &str, queue: &str, tally: &Tally, at: SystemTim
 }
 
 /// The DLQ handler's lines of one batch: how many jobs of each kind it marked `failed`.
-pub fn dead_letters_lines(namespace: &str, queue: &str, by_kind: &[(String, u32)], at: SystemTime) -> Vec<String> {
-    let line_of = |(kind, count): &(String, u32)| {
-        let dimensions = [("Queue", queue), ("Kind", kind.as_str())];
-        line(namespace, at, &dimensions, &KIND_DIMENSIONS, &DEAD_LETTERS, vec![json!(count)])
+pub fn dead_letters_lines(namespace: &str, queue: &str, by_kind: &[KindCount], at: SystemTime) -> Vec<String> {
+    let line_of = |counted: &KindCount| {
+        let dimensions = [("Queue", queue), ("Kind", counted.kind.as_str())];
+        line(namespace, at, &dimensions, &KIND_DIMENSIONS, &DEAD_LETTERS, vec![json!(counted.count)])
     };
     by_kind.iter().map(line_of).collect()
 }
@@ -309,15 +329,28 @@ mod tests {
         assert!(lines[0].contains("\"Kind\":\"resize\""), "{lines:?}");
     }
 
+    /// A worker that reports no metrics keeps no kinds and no timings on its hot path.
+    #[test]
+    fn a_messages_only_tally_counts_messages_and_no_execution() {
+        let mut tally = Tally::messages_only();
+        tally.execution("resize", wait(1), ms(1), |kind| &mut kind.succeeded);
+        tally.stale += 1;
+        assert!(tally.kinds.is_empty(), "{tally:?}");
+        let lines = outcomes_lines("rowq/prod", "emails", &tally, UNIX_EPOCH + AT);
+        assert_eq!(lines.len(), 1, "the messages line only: {lines:?}");
+        checked(&lines[0], json!([["Queue"]]), &[("Queue", "emails")], &MESSAGES);
+    }
+
     #[test]
     fn a_dead_letters_line_counts_one_kind_by_queue_and_by_kind() {
-        let by_kind = [("resize".to_string(), 2), ("email".to_string(), 1)];
+        let counted = |kind: &str, count| KindCount { kind: kind.to_string(), count };
+        let by_kind = [counted("resize", 2), counted("email", 1)];
         let lines = dead_letters_lines("rowq/prod", "emails", &by_kind, UNIX_EPOCH + AT);
         assert_eq!(lines.len(), 2, "{lines:?}");
         let sets = json!([["Queue"], ["Queue", "Kind"]]);
-        for (text, (kind, count)) in lines.iter().zip(&by_kind) {
-            let line = checked(text, sets.clone(), &[("Queue", "emails"), ("Kind", kind)], &DEAD_LETTERS);
-            assert_eq!(line["JobsDeadLettered"], *count, "{line}");
+        for (text, counted) in lines.iter().zip(&by_kind) {
+            let line = checked(text, sets.clone(), &[("Queue", "emails"), ("Kind", &counted.kind)], &DEAD_LETTERS);
+            assert_eq!(line["JobsDeadLettered"], counted.count, "{line}");
         }
     }
 

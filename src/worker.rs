@@ -156,7 +156,7 @@ impl Worker {
         poller: usize,
         mut ran: Option<oneshot::Sender<()>>,
     ) -> SqsBatchResponse {
-        let mut tally = Tally::default();
+        let mut tally = if self.config.metrics.is_some() { Tally::default() } else { Tally::messages_only() };
         let groups = group_records(event.records, &mut tally);
         if groups.is_empty() {
             self.print_metrics(&tally); // malformed or duplicate records, if any
