@@ -53,6 +53,13 @@ pub const DEAD_LETTERS: [(&str, &str); 1] = [("JobsDeadLettered", "Count")];
 /// The dimension sets of a kind's line: each value counts by queue and kind, and by queue.
 pub const KIND_DIMENSIONS: [&[&str]; 2] = [&["Queue"], &["Queue", "Kind"]];
 
+/// The `Kind` a worker counts an execution under when it has no handler for the job's kind (the
+/// job fails: "unknown job kind"). A kind cannot hold parentheses (`rowq.job_kind`'s check), so
+/// this names no real kind; and a worker's `Kind` values are its handlers' kinds and this one,
+/// whatever producers write: a kind built from data (`resize_` and a customer id) adds one
+/// value, not a metric per row.
+pub const UNREGISTERED_KIND: &str = "(unregistered)";
+
 /// The most values EMF takes for one metric in one line: a kind with more executions in a batch
 /// (only a standard queue's batches can be that large) has its further durations and waits on
 /// further lines.

@@ -30,7 +30,7 @@ use crate::combine::{self, Combiner};
 use crate::config::WorkerConfig;
 use crate::handlers::{JobContext, Registry, catching_panics};
 use crate::job::{JobError, JobId, JobMessage};
-use crate::metrics::Tally;
+use crate::metrics::{Tally, UNREGISTERED_KIND};
 use crate::store::kept::{self, KeptConnections};
 use crate::store::run::{self, Done, Finish, Finished, Outcome, StartRequest, Started, Step};
 
@@ -86,6 +86,17 @@ struct Execution {
     recorded: Recorded,
     /// How long the handler ran, until it returned or timed out.
     ran_for: Duration,
+    /// Whether this worker has a handler for the job's kind.
+    kind_known: bool,
+}
+
+impl Execution {
+    /// The `Kind` this execution counts under in the metrics: its job's, or
+    /// [`UNREGISTERED_KIND`] when this worker has no handler for it, so that producers cannot add
+    /// metrics by writing new kinds.
+    fn metrics_kind(&self) -> &str {
+        if self.kind_known { &self.job.kind } else { UNREGISTERED_KIND }
+    }
 }
 
 /// Whether an execution's outcome is in the row yet.
@@ -298,7 +309,9 @@ impl Worker {
         // The payload (up to 1 MiB) is moved to the handler, not copied; the row keeps it.
         let payload = std::mem::take(&mut job.payload);
         let began = Instant::now();
-        let result = match self.registry.call(&job.kind, ctx, payload) {
+        let called = self.registry.call(&job.kind, ctx, payload);
+        let kind_known = called.is_some();
+        let result = match called {
             None => Err(JobError::permanent(format!(
                 "unknown job kind {:?}: this worker has no handler for it (it knows: {})",
                 job.kind,
@@ -338,7 +351,7 @@ impl Worker {
             }
             _ => Recorded::Pending,
         };
-        Execution { record, job, outcome, recorded, ran_for }
+        Execution { record, job, outcome, recorded, ran_for, kind_known }
     }
 
     fn known_kinds(&self) -> String {
@@ -411,14 +424,14 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
     let job = &execution.job;
     match &execution.outcome {
         Outcome::Succeeded { .. } => {
-            tally.execution(&job.kind, job.waited_ms, execution.ran_for, |kind| &mut kind.succeeded);
+            tally.execution(execution.metrics_kind(), job.waited_ms, execution.ran_for, |kind| &mut kind.succeeded);
             tracing::info!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "succeeded", "job succeeded"
             )
         }
         Outcome::RetryLater { error, backoff } => {
-            tally.execution(&job.kind, job.waited_ms, execution.ran_for, |kind| &mut kind.retried);
+            tally.execution(execution.metrics_kind(), job.waited_ms, execution.ran_for, |kind| &mut kind.retried);
             tracing::warn!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "pending", backoff_ms = backoff.as_millis() as u64, error = %error,
@@ -426,7 +439,7 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
             )
         }
         Outcome::Failed { error } => {
-            tally.execution(&job.kind, job.waited_ms, execution.ran_for, |kind| &mut kind.failed);
+            tally.execution(execution.metrics_kind(), job.waited_ms, execution.ran_for, |kind| &mut kind.failed);
             tracing::error!(
                 job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt, job.dispatch_gen = job.dispatch_gen,
                 job.from = "running", job.to = "failed", error = %error, "job failed"
@@ -438,7 +451,7 @@ fn report_finished(execution: &Execution, tally: &mut Tally) {
 /// Logs an execution whose outcome was discarded and counts it in the batch's `tally`.
 fn report_superseded(execution: &Execution, tally: &mut Tally) {
     let job = &execution.job;
-    tally.execution(&job.kind, job.waited_ms, execution.ran_for, |kind| &mut kind.superseded);
+    tally.execution(execution.metrics_kind(), job.waited_ms, execution.ran_for, |kind| &mut kind.superseded);
     tracing::warn!(
         job.id = execution.job.id.0,
         job.attempt = execution.job.attempt,

@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::process::{Child, Command, Output};
 use std::time::Duration;
 
@@ -268,7 +269,8 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
     sqlx::query(
-        r#"INSERT INTO rowq.jobs (kind, payload) VALUES ('noop', '{}'), ('fail', '{"times": 1}'), ('fail', '{}')"#,
+        r#"INSERT INTO rowq.jobs (kind, payload)
+           VALUES ('noop', '{}'), ('fail', '{"times": 1}'), ('fail', '{}'), ('resize_42', '{}'), ('resize_43', '{}')"#,
     )
     .execute(&pool)
     .await
@@ -308,7 +310,7 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
             .unwrap();
         let waiting = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
             .map(|name| attributes.attributes().and_then(|all| all.get(&name.into())).map(String::as_str) == Some("0"));
-        if (counts == (2, 1) && waiting == [true, true]) || started.elapsed() > Duration::from_secs(30) {
+        if (counts == (4, 1) && waiting == [true, true]) || started.elapsed() > Duration::from_secs(30) {
             break counts;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -316,7 +318,7 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
     let mut worker = worker;
     worker.kill().expect("stop rowq work");
     let output = worker.wait_with_output().expect("rowq work's output");
-    assert_eq!(finished, (2, 1), "the jobs did not run: {}", stderr(&output));
+    assert_eq!(finished, (4, 1), "the jobs did not run: {}", stderr(&output));
 
     let lines = json_lines(&output);
     assert!(!lines.is_empty(), "no metrics line: {}", stderr(&output));
@@ -331,7 +333,7 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
         [
             ("JobsSucceeded", 1),
             ("JobsRetried", 1),
-            ("JobsFailed", 1),
+            ("JobsFailed", 3),
             ("JobsSuperseded", 0),
             ("MessagesStale", 1),
             ("MessagesReturned", 0),
@@ -341,10 +343,14 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
     );
     let by_kind = |kind| ["JobsSucceeded", "JobsRetried", "JobsFailed"].map(|name| total(Some(kind), name));
     assert_eq!((by_kind("noop"), by_kind("fail")), ([1, 0, 0], [0, 1, 1]), "{lines:?}");
+    // Kinds no handler knows fail, and count under one `Kind`: producers cannot add metrics.
+    assert_eq!(by_kind(rowq::metrics::UNREGISTERED_KIND), [0, 0, 2], "{lines:?}");
+    let kinds: BTreeSet<&str> = lines.iter().filter_map(|line| line["Kind"].as_str()).collect();
+    assert_eq!(kinds, BTreeSet::from(["(unregistered)", "fail", "noop"]), "{lines:?}");
     for name in ["JobDuration", "JobWait"] {
         let values: Vec<f64> =
             lines.iter().filter_map(|line| line[name].as_array()).flatten().filter_map(Value::as_f64).collect();
-        assert_eq!(values.len(), 3, "one {name} per execution: {lines:?}");
+        assert_eq!(values.len(), 5, "one {name} per execution: {lines:?}");
         assert!(values.iter().all(|ms| (0.0..30_000.0).contains(ms)), "{name}: {values:?}");
     }
     for line in &lines {
