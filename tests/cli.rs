@@ -416,3 +416,61 @@ async fn stats_names_the_kinds_that_failed_in_the_last_hour() {
     let text = stdout(&rowq(&pool, &["stats"]));
     assert!(text.contains("failed in the last hour, by kind: resize 2, email 1"), "{text}");
 }
+
+/// `rowq retry --all-failed --kind K` puts back the failed jobs of one kind (the one whose handler
+/// was fixed) and no other, and with `--since` only those that failed since; a job whose `dedup_key` another job holds stays failed and is named,
+/// where it used to refuse the whole retry: the key's unfinished job holds it, or, between failed
+/// jobs of one key, the newest, which goes back instead.
+#[tokio::test]
+async fn a_retry_of_the_failed_jobs_of_a_kind_leaves_other_kinds_and_names_those_whose_key_is_held() {
+    let pool = common::database().await;
+    let insert = |kind: &'static str, queue: &'static str, key: Option<&'static str>, state: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "INSERT INTO rowq.jobs (kind, queue, dedup_key, state, attempts, finished_at)
+                 VALUES ($1, $2, $3, $4::rowq.job_state, 5, CASE WHEN $4 = 'failed' THEN now() END) RETURNING id",
+            )
+            .bind(kind)
+            .bind(queue)
+            .bind(key)
+            .bind(state)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let plain = insert("resize", "default", None, "failed").await;
+    let held = insert("resize", "default", Some("k1"), "failed").await;
+    let holder = insert("resize", "default", Some("k1"), "pending").await;
+    let older = insert("resize", "default", Some("k2"), "failed").await;
+    let newer = insert("resize", "default", Some("k2"), "failed").await;
+    let other_kind = insert("email", "default", None, "failed").await;
+    let other_queue = insert("resize", "bulk", None, "failed").await;
+    let before = insert("resize", "default", None, "failed").await;
+    sqlx::query("UPDATE rowq.jobs SET finished_at = now() - interval '2 days' WHERE id = $1")
+        .bind(before)
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let since = (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
+    let done = json_of(&pool, &["retry", "--all-failed", "--kind", "resize", "--queue", "default", "--since", &since]);
+    assert_eq!(done["retried"], json!([plain, newer]), "{done}");
+    let left = json!([{"id": held, "held_by": holder}, {"id": older, "held_by": newer}]);
+    assert_eq!(done["left_failed"], left, "{done}");
+    let states: Vec<(i64, String)> =
+        sqlx::query_as("SELECT id, state::text FROM rowq.jobs ORDER BY id").fetch_all(&pool).await.unwrap();
+    let pending = |id: i64| (id, if [plain, holder, newer].contains(&id) { "pending" } else { "failed" }.to_string());
+    let expected: Vec<(i64, String)> =
+        [plain, held, holder, older, newer, other_kind, other_queue, before].into_iter().map(pending).collect();
+    assert_eq!(states, expected);
+
+    // The rest, said in words: the two still held stay failed.
+    let text = stdout(&rowq(&pool, &["retry", "--all-failed"]));
+    let said = format!(
+        "3 failed jobs back to pending; 2 left failed, as another job holds their dedup_key: {held} (held by {holder}), \
+         {older} (held by {newer})"
+    );
+    assert_eq!(text.trim(), said);
+}

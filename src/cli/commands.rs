@@ -59,11 +59,18 @@ pub struct RetryArgs {
     /// The job id.
     #[arg(required_unless_present = "all_failed", conflicts_with = "all_failed")]
     id: Option<i64>,
-    /// Every failed job (of --queue, if given).
+    /// Every failed job (of --queue and --kind, if given). A job whose dedup_key another job
+    /// holds stays failed, and is named.
     #[arg(long)]
     all_failed: bool,
     #[arg(long, requires = "all_failed")]
     queue: Option<String>,
+    /// Only the failed jobs of this kind: the one whose handler was fixed.
+    #[arg(long, requires = "all_failed")]
+    kind: Option<String>,
+    /// Only the jobs that failed at or after this time (RFC 3339): since the bad deploy.
+    #[arg(long, requires = "all_failed")]
+    since: Option<DateTime<Utc>>,
 }
 
 pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Result<()> {
@@ -174,8 +181,19 @@ fn refused(error: sqlx::Error) -> anyhow::Error {
 
 async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()> {
     if args.all_failed {
-        let ids = admin::retry_all_failed(pool, args.queue.as_deref()).await.map_err(|e| retry_refused(e, None))?;
-        say(json, &serde_json::json!({"retried": ids}), &format!("{} failed jobs back to pending", ids.len()));
+        let which = admin::FailedJobs { queue: args.queue.as_deref(), kind: args.kind.as_deref(), since: args.since };
+        let done = admin::retry_failed(pool, which).await.map_err(|e| retry_refused(e, None))?;
+        let mut text = format!("{} failed jobs back to pending", done.retried.len());
+        if !done.left_failed.is_empty() {
+            let named: Vec<String> =
+                done.left_failed.iter().map(|left| format!("{} (held by {})", left.id.0, left.held_by.0)).collect();
+            text += &format!(
+                "; {} left failed, as another job holds their dedup_key: {}",
+                done.left_failed.len(),
+                named.join(", ")
+            );
+        }
+        say(json, &done, &text);
         return Ok(());
     }
     let id = args.id.unwrap_or_default();
@@ -189,13 +207,17 @@ async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()>
     Ok(())
 }
 
+/// `id` is the job a retry of one named; `None` for a retry of many, which leaves the jobs whose
+/// key is held failed (`admin::retry_failed`) and is refused only by a job enqueued meanwhile.
 fn retry_refused(error: sqlx::Error, id: Option<i64>) -> anyhow::Error {
-    let which = id.map_or("a job".to_string(), |id| format!("job {id}"));
-    match error.as_database_error() {
-        Some(db) if db.constraint() == Some("jobs_dedup_key_unfinished_idx") => {
-            anyhow!("{which} cannot be retried: another unfinished job holds its dedup_key")
-        }
-        _ => anyhow!(error).context(format!("cannot retry {which}")),
+    let held = error.as_database_error().and_then(|db| db.constraint()) == Some("jobs_dedup_key_unfinished_idx");
+    match id {
+        Some(id) if held => anyhow!("job {id} cannot be retried: another unfinished job holds its dedup_key"),
+        None if held => anyhow!(
+            "nothing was retried: a job enqueued meanwhile holds the dedup_key of one of them; run the retry again"
+        ),
+        Some(id) => anyhow!(error).context(format!("cannot retry job {id}")),
+        None => anyhow!(error).context("cannot retry the failed jobs"),
     }
 }
 

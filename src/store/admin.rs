@@ -181,23 +181,86 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Err
     Ok(row)
 }
 
-/// [`retry`] for every failed job of `queue` (all queues when `None`). Returns the ids.
-pub async fn retry_all_failed(pool: &PgPool, queue: Option<&str>) -> Result<Vec<JobId>, sqlx::Error> {
+/// Which failed jobs [`retry_failed`] puts back: those of `queue`, of `kind` and failed at or
+/// after `since`, each when given.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FailedJobs<'a> {
+    pub queue: Option<&'a str>,
+    pub kind: Option<&'a str>,
+    pub since: Option<DateTime<Utc>>,
+}
+
+/// What [`retry_failed`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RetriedFailed {
+    /// The jobs back to pending, by id.
+    pub retried: Vec<JobId>,
+    /// The jobs left failed because another job holds their `dedup_key`, by id.
+    pub left_failed: Vec<LeftFailed>,
+}
+
+/// A failed job that a retry of many left failed: `held_by` holds its `dedup_key`, an
+/// unfinished job or a newer failed one that this retry put back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LeftFailed {
+    pub id: JobId,
+    pub held_by: JobId,
+}
+
+/// [`retry`] for every failed job `which` selects, in one transaction, waking the schedulers.
+///
+/// Only one unfinished job may hold a `dedup_key`, so a retry of many does not put back a job
+/// whose key another holds: an unfinished job, or a newer failed job of the same key, which is
+/// put back instead (its payload is the latest). Those stay failed, and are named, rather than
+/// one of them refusing the whole retry. A job enqueued with such a key while this runs still
+/// refuses it (a unique violation on `jobs_dedup_key_unfinished_idx`): run it again.
+///
+/// With `since`, the failed rows are found through the index of finished rows by `finished_at`
+/// (`jobs_finished_idx`: 1.0 ms for the last hour's 359 of 300,000 finished rows, against 37 ms
+/// for a scan of them all, which is what a retry without `since` reads).
+pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>) -> Result<RetriedFailed, sqlx::Error> {
     let mut transaction = pool.begin().await?;
-    let ids: Vec<JobId> = sqlx::query_scalar(
+    let rows: Vec<(JobId, Option<JobId>)> = sqlx::query_as(
         r#"
-        UPDATE rowq.jobs
-        SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
-            updated_at = now()
-        WHERE state = 'failed' AND ($1::text IS NULL OR queue = $1)
-        RETURNING id
+        WITH candidate AS (
+            SELECT id, dedup_key FROM rowq.jobs
+            WHERE state = 'failed' AND ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+              AND ($3::timestamptz IS NULL OR finished_at >= $3)
+            FOR UPDATE
+        ), holder AS (
+            SELECT c.id, COALESCE(
+                (SELECT u.id FROM rowq.jobs u
+                 WHERE u.dedup_key = c.dedup_key AND u.state IN ('pending', 'dispatched', 'running')),
+                (SELECT max(o.id) FROM candidate o WHERE o.dedup_key = c.dedup_key)
+            ) AS held_by
+            FROM candidate c
+        ), moved AS (
+            UPDATE rowq.jobs j
+            SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
+                updated_at = now()
+            FROM holder h
+            WHERE j.id = h.id AND (h.held_by IS NULL OR h.held_by = h.id)
+            RETURNING j.id
+        )
+        SELECT h.id, CASE WHEN m.id IS NULL THEN h.held_by END
+        FROM holder h LEFT JOIN moved m ON m.id = h.id
+        ORDER BY h.id
         "#,
     )
-    .bind(queue)
+    .bind(which.queue)
+    .bind(which.kind)
+    .bind(which.since)
     .fetch_all(&mut *transaction)
     .await?;
-    commit_waking(transaction, (!ids.is_empty()).then_some("retried")).await?;
-    Ok(ids)
+    let mut done = RetriedFailed::default();
+    for (id, held_by) in rows {
+        match held_by {
+            None => done.retried.push(id),
+            Some(held_by) => done.left_failed.push(LeftFailed { id, held_by }),
+        }
+    }
+    commit_waking(transaction, (!done.retried.is_empty()).then_some("retried")).await?;
+    Ok(done)
 }
 
 /// Commits an operator's transition, waking the schedulers (`why`) when it made rows
