@@ -474,3 +474,36 @@ async fn a_retry_of_the_failed_jobs_of_a_kind_leaves_other_kinds_and_names_those
     );
     assert_eq!(text.trim(), said);
 }
+
+/// `rowq cancel --all --kind K` cancels every pending or dispatched job of that kind (of `--queue`
+/// too, when given), a producer's flood that must not run, and leaves running and finished jobs
+/// and other kinds alone; with neither a kind nor a queue it refuses, so that no slip cancels
+/// every queue.
+#[tokio::test]
+async fn a_cancel_of_all_of_a_kind_cancels_its_unstarted_jobs_and_nothing_else() {
+    let pool = common::database().await;
+    let ids: Vec<i64> = sqlx::query_scalar(
+        "INSERT INTO rowq.jobs (kind, queue, state, dispatch_gen, attempts, finished_at)
+         SELECT kind, queue, state::rowq.job_state, 1, 1, CASE WHEN state = 'failed' THEN now() END
+         FROM (VALUES ('spam', 'default', 'pending'), ('spam', 'default', 'dispatched'),
+                      ('spam', 'default', 'running'), ('spam', 'default', 'failed'),
+                      ('spam', 'bulk', 'pending'), ('email', 'default', 'pending')) AS v (kind, queue, state)
+         RETURNING id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+
+    let message = refusal(&pool, &["cancel", "--all"]);
+    assert!(message.contains("cancel --all needs --kind or --queue"), "{message}");
+    let done = json_of(&pool, &["cancel", "--all", "--kind", "spam", "--queue", "default"]);
+    assert_eq!(done["cancelled"], json!(ids[..2]), "{done}");
+    let states: Vec<String> =
+        sqlx::query_scalar("SELECT state::text FROM rowq.jobs ORDER BY id").fetch_all(&pool).await.unwrap();
+    assert_eq!(states, ["cancelled", "cancelled", "running", "failed", "pending", "pending"]);
+
+    let text = stdout(&rowq(&pool, &["cancel", "--all", "--queue", "bulk"]));
+    assert_eq!(text.trim(), "1 pending or dispatched jobs cancelled");
+    let message = refusal(&pool, &["cancel", &ids[2].to_string()]);
+    assert!(message.contains("is running (attempt 1): it cannot be cancelled now"), "{message}");
+}

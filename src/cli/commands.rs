@@ -73,6 +73,21 @@ pub struct RetryArgs {
     since: Option<DateTime<Utc>>,
 }
 
+#[derive(Args)]
+pub struct CancelArgs {
+    /// The job id.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    id: Option<i64>,
+    /// Every pending or dispatched job of --kind and --queue (one of them at least); running
+    /// jobs finish.
+    #[arg(long)]
+    all: bool,
+    #[arg(long, requires = "all")]
+    queue: Option<String>,
+    #[arg(long, requires = "all")]
+    kind: Option<String>,
+}
+
 pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Result<()> {
     match command {
         Command::Queues { command: QueuesCommand::Create(args) } => return create_queues(&args, json).await,
@@ -106,7 +121,7 @@ pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Re
         }
         Command::Stats => stats(&pool, json).await?,
         Command::Retry(args) => retry(&pool, args, json).await?,
-        Command::Cancel { id } => cancel(&pool, id, json).await?,
+        Command::Cancel(args) => cancel(&pool, args, json).await?,
         Command::Queues { .. } | Command::Dev(_) | Command::Demo(_) | Command::Work => {}
     }
     Ok(())
@@ -221,7 +236,19 @@ fn retry_refused(error: sqlx::Error, id: Option<i64>) -> anyhow::Error {
     }
 }
 
-async fn cancel(pool: &PgPool, id: i64, json: bool) -> anyhow::Result<()> {
+async fn cancel(pool: &PgPool, args: CancelArgs, json: bool) -> anyhow::Result<()> {
+    if args.all {
+        if args.queue.is_none() && args.kind.is_none() {
+            bail!("cancel --all needs --kind or --queue: name what must not run (a queue cancels all its kinds)");
+        }
+        let ids = admin::cancel_unstarted(pool, args.queue.as_deref(), args.kind.as_deref())
+            .await
+            .context("cannot cancel")?;
+        let text = format!("{} pending or dispatched jobs cancelled", ids.len());
+        say(json, &serde_json::json!({ "cancelled": ids }), &text);
+        return Ok(());
+    }
+    let id = args.id.unwrap_or_default();
     match admin::cancel(pool, JobId(id)).await.context("cannot cancel")? {
         Some(row) => say(json, &row, &format!("job {id} cancelled")),
         None => {

@@ -40,11 +40,8 @@ enum Command {
     Stats,
     /// Put failed jobs back to pending, with attempts reset.
     Retry(commands::RetryArgs),
-    /// Cancel a pending or dispatched job.
-    Cancel {
-        /// The job id.
-        id: i64,
-    },
+    /// Cancel a pending or dispatched job, or all of them of a kind or a queue.
+    Cancel(commands::CancelArgs),
     /// Manage the SQS queues.
     Queues {
         #[command(subcommand)]

@@ -159,6 +159,36 @@ pub async fn cancel(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Er
     Ok(row)
 }
 
+/// [`cancel`] for every pending or dispatched job of `queue` and of `kind` (each when given), in
+/// one statement: a producer's flood of jobs that must not run. Running jobs are left to finish.
+/// Returns the ids, in order.
+pub async fn cancel_unstarted(
+    pool: &PgPool,
+    queue: Option<&str>,
+    kind: Option<&str>,
+) -> Result<Vec<JobId>, sqlx::Error> {
+    let mut transaction = pool.begin().await?;
+    let rows: Vec<(JobId, bool)> = sqlx::query_as(
+        r#"
+        WITH moved AS (
+            UPDATE rowq.jobs
+            SET state = 'cancelled', finished_at = now(), dispatch_deadline = NULL, updated_at = now()
+            WHERE state IN ('pending', 'dispatched') AND ($1::text IS NULL OR queue = $1)
+              AND ($2::text IS NULL OR kind = $2)
+            RETURNING id, group_key IS NOT NULL AS grouped
+        )
+        SELECT id, grouped FROM moved ORDER BY id
+        "#,
+    )
+    .bind(queue)
+    .bind(kind)
+    .fetch_all(&mut *transaction)
+    .await?;
+    let group_moved = rows.iter().any(|(_, grouped)| *grouped);
+    commit_waking(transaction, group_moved.then_some("group")).await?;
+    Ok(rows.into_iter().map(|(id, _)| id).collect())
+}
+
 /// `failed → pending` with attempts reset and `run_at = now()`; the next claim gives it a new
 /// generation, and the schedulers are woken when it commits. `None`: the job is not failed, or
 /// absent. Fails with a unique violation on `jobs_dedup_key_unfinished_idx` when another
