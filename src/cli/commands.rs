@@ -59,7 +59,7 @@ pub struct RetryArgs {
     /// The job id.
     #[arg(required_unless_present = "all_failed", conflicts_with = "all_failed")]
     id: Option<i64>,
-    /// Every failed job (of --queue and --kind, if given). A job whose dedup_key another job
+    /// Every failed job (of --queue, --kind and --since, each if given). A job whose dedup_key another job
     /// holds stays failed, and is named.
     #[arg(long)]
     all_failed: bool,
