@@ -497,9 +497,7 @@ impl<P: Publisher> Scheduler<P> {
                 return;
             }
         };
-        if let Err(error) = crate::metrics::print(std::slice::from_ref(&line)) {
-            tracing::warn!(error = %error, "could not write the metrics line to stdout");
-        }
+        crate::metrics::print(std::slice::from_ref(&line));
     }
 }
 

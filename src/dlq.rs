@@ -60,13 +60,13 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
     if group_moved && let Err(error) = crate::store::wake_schedulers(pool, "group").await {
         tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
     }
-    if let Some(target) = metrics
-        && !by_kind.is_empty()
-    {
-        let lines = crate::metrics::dead_letters_lines(&target.namespace, &target.queue, &by_kind, SystemTime::now());
-        if let Err(error) = crate::metrics::print(&lines) {
-            tracing::warn!(error = %error, "could not write the metrics lines to stdout");
-        }
+    if let Some(target) = metrics {
+        crate::metrics::print(&crate::metrics::dead_letters_lines(
+            &target.namespace,
+            &target.queue,
+            &by_kind,
+            SystemTime::now(),
+        ));
     }
     batch_response(failed)
 }

@@ -234,16 +234,21 @@ pub fn dead_letters_lines(namespace: &str, queue: &str, by_kind: &[KindCount], a
 }
 
 /// Writes `lines`, each followed by a newline, to stdout in one call, so that no other output
-/// splits them.
-pub fn print(lines: &[String]) -> std::io::Result<()> {
+/// splits them; nothing when there are none. A failed write is a warning: metrics never stop
+/// the work they count.
+pub fn print(lines: &[String]) {
+    if lines.is_empty() {
+        return;
+    }
     let mut text = String::new();
     for line in lines {
         text.push_str(line);
         text.push('\n');
     }
     let mut out = std::io::stdout().lock();
-    out.write_all(text.as_bytes())?;
-    out.flush()
+    if let Err(error) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        tracing::warn!(error = %error, "could not write the metrics lines to stdout");
+    }
 }
 
 #[cfg(test)]

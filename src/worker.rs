@@ -214,13 +214,12 @@ impl Worker {
     /// prints none.
     fn print_metrics(&self, tally: &Tally) {
         let Some(target) = &self.config.metrics else { return };
-        let lines = crate::metrics::outcomes_lines(&target.namespace, &target.queue, tally, SystemTime::now());
-        if lines.is_empty() {
-            return;
-        }
-        if let Err(error) = crate::metrics::print(&lines) {
-            tracing::warn!(error = %error, "could not write the metrics lines to stdout");
-        }
+        crate::metrics::print(&crate::metrics::outcomes_lines(
+            &target.namespace,
+            &target.queue,
+            tally,
+            SystemTime::now(),
+        ));
     }
 
     /// Fences, runs and finishes one record per group, saying on `ran` when the handlers have

@@ -138,22 +138,35 @@ pub async fn list(pool: &PgPool, filter: &ListFilter) -> Result<Vec<JobRow>, sql
     .await
 }
 
+/// The cancel transition, `pending | dispatched → cancelled`, as the start of an `UPDATE` whose
+/// callers add which rows (`AND ...`) and what it returns: one text for [`cancel`] and
+/// [`cancel_unstarted`], so that they cannot drift apart.
+macro_rules! cancel_unstarted_rows {
+    () => {
+        "UPDATE rowq.jobs
+        SET state = 'cancelled', finished_at = now(), dispatch_deadline = NULL, updated_at = now()
+        WHERE state IN ('pending', 'dispatched')"
+    };
+}
+
+/// What a retry sets on a failed row: pending and due now, attempts and outcome reset. One text
+/// for [`retry`] and [`retry_failed`].
+macro_rules! retried_as_new {
+    () => {
+        "SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
+            updated_at = now()"
+    };
+}
+
 /// `pending | dispatched → cancelled`. A message already sent for a dispatched job will
 /// match nothing at the worker's fence. `None`: the job is running, finished, or absent. A
 /// cancelled job of a group lets the group's next one go: the schedulers are woken.
 pub async fn cancel(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
     let mut transaction = pool.begin().await?;
-    let row: Option<JobRow> = sqlx::query_as(
-        r#"
-        UPDATE rowq.jobs
-        SET state = 'cancelled', finished_at = now(), dispatch_deadline = NULL, updated_at = now()
-        WHERE id = $1 AND state IN ('pending', 'dispatched')
-        RETURNING *
-        "#,
-    )
-    .bind(id)
-    .fetch_optional(&mut *transaction)
-    .await?;
+    let row: Option<JobRow> = sqlx::query_as(concat!(cancel_unstarted_rows!(), " AND id = $1 RETURNING *"))
+        .bind(id)
+        .fetch_optional(&mut *transaction)
+        .await?;
     let group_moved = row.as_ref().is_some_and(|row| row.group_key.is_some());
     commit_waking(transaction, group_moved.then_some("group")).await?;
     Ok(row)
@@ -168,18 +181,14 @@ pub async fn cancel_unstarted(
     kind: Option<&str>,
 ) -> Result<Vec<JobId>, sqlx::Error> {
     let mut transaction = pool.begin().await?;
-    let rows: Vec<(JobId, bool)> = sqlx::query_as(
-        r#"
-        WITH moved AS (
-            UPDATE rowq.jobs
-            SET state = 'cancelled', finished_at = now(), dispatch_deadline = NULL, updated_at = now()
-            WHERE state IN ('pending', 'dispatched') AND ($1::text IS NULL OR queue = $1)
-              AND ($2::text IS NULL OR kind = $2)
+    let rows: Vec<(JobId, bool)> = sqlx::query_as(concat!(
+        "WITH moved AS (",
+        cancel_unstarted_rows!(),
+        " AND ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
             RETURNING id, group_key IS NOT NULL AS grouped
         )
-        SELECT id, grouped FROM moved ORDER BY id
-        "#,
-    )
+        SELECT id, grouped FROM moved ORDER BY id"
+    ))
     .bind(queue)
     .bind(kind)
     .fetch_all(&mut *transaction)
@@ -195,15 +204,11 @@ pub async fn cancel_unstarted(
 /// unfinished job holds its `dedup_key`.
 pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
     let mut transaction = pool.begin().await?;
-    let row: Option<JobRow> = sqlx::query_as(
-        r#"
-        UPDATE rowq.jobs
-        SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
-            updated_at = now()
-        WHERE id = $1 AND state = 'failed'
-        RETURNING *
-        "#,
-    )
+    let row: Option<JobRow> = sqlx::query_as(concat!(
+        "UPDATE rowq.jobs ",
+        retried_as_new!(),
+        " WHERE id = $1 AND state = 'failed' RETURNING *"
+    ))
     .bind(id)
     .fetch_optional(&mut *transaction)
     .await?;
@@ -251,9 +256,8 @@ pub struct LeftFailed {
 /// 2,000 of them sharing ten keys, went back in 5.9 s.
 pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>) -> Result<RetriedFailed, sqlx::Error> {
     let mut transaction = pool.begin().await?;
-    let rows: Vec<(JobId, Option<JobId>)> = sqlx::query_as(
-        r#"
-        WITH candidate AS (
+    let rows: Vec<(JobId, Option<JobId>)> = sqlx::query_as(concat!(
+        "WITH candidate AS (
             SELECT id, dedup_key FROM rowq.jobs
             WHERE state = 'failed' AND ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
               AND ($3::timestamptz IS NULL OR finished_at >= $3)
@@ -267,18 +271,16 @@ pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>) -> Result<Retrie
             ) END AS held_by
             FROM candidate c
         ), moved AS (
-            UPDATE rowq.jobs j
-            SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
-                updated_at = now()
-            FROM holder h
+            UPDATE rowq.jobs j ",
+        retried_as_new!(),
+        " FROM holder h
             WHERE j.id = h.id AND (h.held_by IS NULL OR h.held_by = h.id)
             RETURNING j.id
         )
         SELECT h.id, CASE WHEN m.id IS NULL THEN h.held_by END
         FROM holder h LEFT JOIN moved m ON m.id = h.id
-        ORDER BY h.id
-        "#,
-    )
+        ORDER BY h.id"
+    ))
     .bind(which.queue)
     .bind(which.kind)
     .bind(which.since)
