@@ -41,6 +41,8 @@ pub struct DispatchReport {
     pub publish_error: Option<String>,
     /// The earliest future `run_at` among pending rows when the claim ran.
     pub next_due: Option<chrono::DateTime<chrono::Utc>>,
+    /// The queue is paused (`rowq pause`): the claim took nothing.
+    pub paused: bool,
 }
 
 /// A pass that could not complete: the database is unreachable or refused a statement.
@@ -209,6 +211,7 @@ impl<P: Publisher> Scheduler<P> {
         report.claimed += jobs.len();
         report.full = jobs.len() == self.config.claim_batch as usize;
         report.next_due = claim.next_due;
+        report.paused = claim.paused;
         // Fewer than a batch: nothing more is due, or the cap held the claim back.
         report.capped = !report.full && claim.in_flight_before + jobs.len() as i64 >= i64::from(cap);
         for job in &jobs {
@@ -318,6 +321,7 @@ impl<P: Publisher> Scheduler<P> {
         let mut totals = RunTotals::default();
         let mut listener: Option<PgListener> = None;
         let mut backoff = ERROR_BACKOFF_MIN;
+        let mut paused = false;
         let stop = loop {
             if *shutdown.borrow() {
                 break StopReason::Shutdown;
@@ -338,6 +342,10 @@ impl<P: Publisher> Scheduler<P> {
             totals.claimed += report.claimed as u64;
             totals.published += report.published as u64;
             totals.released += report.released as u64;
+            if error.is_none() && report.paused != paused {
+                paused = report.paused;
+                log_pause(&self.config.queue, paused);
+            }
             let wait = if let Some(error) = error {
                 tracing::error!(error = %error, "dispatch pass failed");
                 backoff = (backoff * 2).min(ERROR_BACKOFF_MAX);
@@ -351,6 +359,10 @@ impl<P: Publisher> Scheduler<P> {
                     continue;
                 } else if once {
                     break StopReason::Drained;
+                } else if paused {
+                    // Until a resume's notification, or the next poll: what falls due meanwhile
+                    // waits for the resume too.
+                    self.config.poll_interval
                 } else if report.capped {
                     self.config.busy_poll
                 } else {
@@ -498,6 +510,16 @@ impl<P: Publisher> Scheduler<P> {
             }
         };
         crate::metrics::print(std::slice::from_ref(&line));
+    }
+}
+
+/// Says when the scheduler's queue turns paused or resumed: an operator who paused it and
+/// forgot, or a producer wondering why nothing runs, finds it in the scheduler's log.
+fn log_pause(queue: &str, paused: bool) {
+    if paused {
+        tracing::warn!(queue, "queue is paused: nothing is claimed until it is resumed (rowq resume {queue})");
+    } else {
+        tracing::info!(queue, "queue resumed: claiming again");
     }
 }
 

@@ -18,12 +18,13 @@ use serde_json::{Value, json};
 use crate::store::admin::{KindCount, QueueGauges};
 
 /// The scheduler's metrics, in the order of [`QueueGauges`]'s fields: name and unit.
-pub const GAUGES: [(&str, &str); 5] = [
+pub const GAUGES: [(&str, &str); 6] = [
     ("OldestDuePendingSeconds", "Seconds"),
     ("OldestClaimableSeconds", "Seconds"),
     ("DuePending", "Count"),
     ("Dispatched", "Count"),
     ("Running", "Count"),
+    ("Paused", "Count"),
 ];
 
 /// The worker's metrics of one kind's executions in a batch, in the order of [`KindTally`]'s
@@ -193,6 +194,7 @@ pub fn gauges_line(namespace: &str, queue: &str, gauges: &QueueGauges, at: Syste
         json!(gauges.due_pending),
         json!(gauges.dispatched),
         json!(gauges.running),
+        json!(u8::from(gauges.paused)),
     ];
     line(namespace, at, &[("Queue", queue)], &[&["Queue"]], &GAUGES, values)
 }
@@ -289,11 +291,16 @@ mod tests {
             due_pending: 7,
             dispatched: 3,
             running: 2,
+            paused: true,
         };
         let text = gauges_line("rowq/prod", "emails", &gauges, UNIX_EPOCH + AT);
         let line = checked(&text, json!([["Queue"]]), &[("Queue", "emails")], &GAUGES);
         assert_eq!((&line["OldestDuePendingSeconds"], &line["OldestClaimableSeconds"]), (&json!(42.5), &json!(12.5)));
         assert_eq!((&line["DuePending"], &line["Dispatched"], &line["Running"]), (&json!(7), &json!(3), &json!(2)));
+        assert_eq!(line["Paused"], json!(1));
+        let resumed = QueueGauges { paused: false, ..gauges };
+        let text = gauges_line("rowq/prod", "emails", &resumed, UNIX_EPOCH + AT);
+        assert_eq!(checked(&text, json!([["Queue"]]), &[("Queue", "emails")], &GAUGES)["Paused"], json!(0));
     }
 
     fn ms(n: u64) -> Duration {

@@ -507,3 +507,38 @@ async fn a_cancel_of_all_of_a_kind_cancels_its_unstarted_jobs_and_nothing_else()
     let message = refusal(&pool, &["cancel", &ids[2].to_string()]);
     assert!(message.contains("is running (attempt 1): it cannot be cancelled now"), "{message}");
 }
+
+/// `rowq pause` and `rowq resume`: the pause is in `stats` with its reason, a second pause says
+/// it was already paused, a resume of a queue that is not paused names those that are (a typo
+/// resumes nothing), and a name the database refuses is one clear line.
+#[tokio::test]
+async fn pause_and_resume_a_queue_from_the_command_line_and_find_it_in_stats() {
+    let pool = common::database().await;
+    assert_eq!(stdout(&rowq(&pool, &["pause"])).trim(), "no queue is paused");
+    let text = stdout(&rowq(&pool, &["pause", "emails", "--reason", "SMTP provider down"]));
+    assert!(text.starts_with("queue emails paused since "), "{text}");
+    assert!(text.contains(" s ago): SMTP provider down: no job of it is claimed until `rowq resume emails`"), "{text}");
+    let again = json_of(&pool, &["pause", "emails"]);
+    assert_eq!(
+        (&again["queue"], &again["reason"], &again["already"]),
+        (&json!("emails"), &json!("SMTP provider down"), &json!(true))
+    );
+    let listed = json_of(&pool, &["pause"]);
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!(listed[0]["paused_at"], again["paused_at"], "{listed}");
+
+    let stats = json_of(&pool, &["stats"]);
+    assert_eq!(stats["paused"][0]["queue"], "emails", "{stats}");
+    let text = stdout(&rowq(&pool, &["stats"]));
+    assert!(text.contains("queue emails paused since ") && text.contains("SMTP provider down"), "{text}");
+
+    let typo = stdout(&rowq(&pool, &["resume", "emials"]));
+    assert_eq!(typo.trim(), "queue emials was not paused; paused: emails");
+    let resumed = json_of(&pool, &["resume", "emails"]);
+    assert_eq!(resumed, json!({ "queue": "emails", "resumed": true }));
+    assert_eq!(stdout(&rowq(&pool, &["resume", "emails"])).trim(), "queue emails was not paused; no queue is");
+    assert_eq!(json_of(&pool, &["stats"])["paused"], json!([]));
+
+    let message = refusal(&pool, &["pause", "two words"]);
+    assert!(message.contains("cannot pause queue \"two words\": the database refused it"), "{message}");
+}

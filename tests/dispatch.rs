@@ -599,6 +599,87 @@ async fn a_retried_job_is_dispatched_without_waiting_for_the_poll() {
     assert_eq!(running.await.unwrap().published, 3);
 }
 
+/// A paused queue is claimed from by no scheduler: its jobs stay pending with their attempts and
+/// generation untouched, other queues go on, and once it is resumed its jobs go, in claim order.
+#[tokio::test]
+async fn a_paused_queue_is_claimed_from_by_no_scheduler_until_it_is_resumed() {
+    let pool = common::database().await;
+    let held = common::enqueue_many(&pool, "noop", 3).await;
+    let other = enqueue_with(&pool, NewJob { queue: Some("other".into()), ..NewJob::new("noop", json!({})) }).await;
+    let paused = admin::pause(&pool, "default", Some("SMTP provider down")).await.unwrap();
+    assert!(!paused.already, "{paused:?}");
+    assert_eq!((paused.queue.queue.as_str(), paused.queue.reason.as_deref()), ("default", Some("SMTP provider down")));
+
+    let schedulers = [memory_scheduler(&pool), memory_scheduler(&pool)];
+    for scheduler in &schedulers {
+        let report = scheduler.run_once().await.unwrap();
+        assert_eq!((report.claimed, report.published, report.paused), (0, 0, true), "{report:?}");
+        assert_eq!(sent_ids(scheduler), []);
+    }
+    for id in &held {
+        let row = common::job(&pool, *id).await;
+        assert_eq!((row.state, row.dispatch_gen, row.attempts), (JobState::Pending, 0, 0), "{row:?}");
+    }
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.queue = "other".into();
+    let others = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    let report = others.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.paused), (1, false), "another queue is not held: {report:?}");
+    assert_eq!(sent_ids(&others), [other]);
+
+    // Pausing again keeps when the pause began, and takes a new reason when one is given.
+    let again = admin::pause(&pool, "default", Some("still down")).await.unwrap();
+    assert!(again.already, "{again:?}");
+    assert_eq!((again.queue.paused_at, again.queue.reason.as_deref()), (paused.queue.paused_at, Some("still down")));
+    let kept = admin::pause(&pool, "default", None).await.unwrap();
+    assert_eq!(kept.queue.reason.as_deref(), Some("still down"));
+    assert_eq!(admin::paused_queues(&pool).await.unwrap(), std::slice::from_ref(&kept.queue));
+    let refused = admin::pause(&pool, "no spaces", None).await.unwrap_err().to_string();
+    assert!(refused.contains("jobs_queue_is_a_nonempty_identifier"), "{refused}");
+
+    assert_eq!(admin::resume(&pool, "default").await.unwrap(), Some(kept.queue));
+    assert_eq!(admin::resume(&pool, "default").await.unwrap(), None);
+    let report = schedulers[0].run_once().await.unwrap();
+    assert_eq!((report.claimed, report.paused), (3, false), "{report:?}");
+    assert_eq!(sent_ids(&schedulers[0]), held);
+}
+
+/// A running scheduler whose queue is paused says so in its log, once however often it is
+/// woken, and claims nothing; a resume by plain SQL wakes it at once (the table's trigger
+/// notifies), not at its poll 600 s later, and it says that too.
+#[tokio::test]
+async fn a_resume_by_plain_sql_wakes_a_paused_scheduler_which_logs_the_pause_once() {
+    let pool = common::database().await;
+    let (captured, _logging) = Captured::logs(tracing::Level::INFO);
+    sqlx::query("INSERT INTO rowq.paused_queues (queue, reason) VALUES ('default', 'deploy')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let first = common::enqueue(&pool, "noop", json!({})).await;
+    let (stop, running) = spawn_idle_scheduler(&pool);
+    let paused_line = "queue is paused: nothing is claimed until it is resumed (rowq resume default)";
+    common::eventually(Duration::from_secs(30), "the scheduler to log the pause", || {
+        let logged = captured.text();
+        async move { logged.contains(paused_line).then_some(()) }
+    })
+    .await;
+    // An insert's notification wakes it: another paused pass, and no second warning.
+    let second = common::enqueue(&pool, "noop", json!({})).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for id in [first, second] {
+        assert_eq!(common::job(&pool, id).await.state, JobState::Pending);
+    }
+
+    sqlx::query("DELETE FROM rowq.paused_queues WHERE queue = 'default'").execute(&pool).await.unwrap();
+    wait_dispatched(&pool, first, "the first job to be dispatched once the queue is resumed").await;
+    wait_dispatched(&pool, second, "the second job to be dispatched once the queue is resumed").await;
+    stop.send(true).unwrap();
+    assert_eq!(running.await.unwrap().published, 2);
+    let logged = captured.text();
+    assert_eq!(logged.matches(paused_line).count(), 1, "{logged}");
+    assert!(logged.contains("queue resumed: claiming again"), "{logged}");
+}
+
 /// A group's next job may go once its head ends, and that sends no `NOTIFY` of its own:
 /// however the head ends (the worker finishes it, an operator cancels it, the DLQ or a rescue
 /// fails it), the schedulers are woken, and an idle one dispatches the next job at once.
@@ -1132,6 +1213,21 @@ impl std::io::Write for Captured {
 }
 
 impl Captured {
+    /// Captures this thread's log lines of `level` and above (the test's runtime has one
+    /// thread, so its spawned tasks' too) until the guard is dropped.
+    fn logs(level: tracing::Level) -> (Captured, tracing::subscriber::DefaultGuard) {
+        let captured = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer({
+                let captured = captured.clone();
+                move || captured.clone()
+            })
+            .with_ansi(false)
+            .with_max_level(level)
+            .finish();
+        (captured, tracing::subscriber::set_default(subscriber))
+    }
+
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
@@ -1142,16 +1238,7 @@ impl Captured {
 #[tokio::test]
 async fn the_scheduler_warns_of_a_transaction_holding_back_the_cleanup() {
     let pool = common::database().await;
-    let captured = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer({
-            let captured = captured.clone();
-            move || captured.clone()
-        })
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    let _logging = tracing::subscriber::set_default(subscriber);
+    let (captured, _logging) = Captured::logs(tracing::Level::WARN);
     let (mut holder, pid, _alone) = open_transaction(&common::url_of(&pool), "rowq-test-scheduler-holder").await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
@@ -1184,6 +1271,7 @@ async fn a_queues_gauges_count_its_due_dispatched_and_running_jobs_and_the_oldes
         due_pending: 0,
         dispatched: 0,
         running: 0,
+        paused: false,
     };
     assert_eq!(empty, nothing);
 
@@ -1204,10 +1292,14 @@ async fn a_queues_gauges_count_its_due_dispatched_and_running_jobs_and_the_oldes
     .execute(&pool)
     .await
     .unwrap();
+    admin::pause(&pool, "other", None).await.unwrap();
     let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
     assert!((90.0..100.0).contains(&gauges.oldest_due_pending_secs), "{gauges:?}");
     assert_eq!(gauges.oldest_claimable_secs, gauges.oldest_due_pending_secs, "no group holds one back: {gauges:?}");
     assert_eq!((gauges.due_pending, gauges.dispatched, gauges.running), (2, 2, 1), "{gauges:?}");
+    assert!(!gauges.paused, "another queue is paused, not this one: {gauges:?}");
+    admin::pause(&pool, "default", None).await.unwrap();
+    assert!(admin::queue_gauges(&pool, "default").await.unwrap().paused);
 }
 
 /// Jobs waiting behind an unfinished job of their group (running, dispatched, or pending in

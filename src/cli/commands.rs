@@ -88,6 +88,15 @@ pub struct CancelArgs {
     kind: Option<String>,
 }
 
+#[derive(Args)]
+pub struct PauseArgs {
+    /// The queue (the jobs' `queue` column); it need not have jobs yet.
+    queue: Option<String>,
+    /// Why, for whoever finds it paused (`rowq stats`, `rowq pause`).
+    #[arg(long, requires = "queue")]
+    reason: Option<String>,
+}
+
 pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Result<()> {
     match command {
         Command::Queues { command: QueuesCommand::Create(args) } => return create_queues(&args, json).await,
@@ -122,6 +131,8 @@ pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Re
         Command::Stats => stats(&pool, json).await?,
         Command::Retry(args) => retry(&pool, args, json).await?,
         Command::Cancel(args) => cancel(&pool, args, json).await?,
+        Command::Pause(args) => pause(&pool, args, json).await?,
+        Command::Resume { queue } => resume(&pool, &queue, json).await?,
         Command::Queues { .. } | Command::Dev(_) | Command::Demo(_) | Command::Work => {}
     }
     Ok(())
@@ -264,6 +275,73 @@ async fn cancel(pool: &PgPool, args: CancelArgs, json: bool) -> anyhow::Result<(
     Ok(())
 }
 
+async fn pause(pool: &PgPool, args: PauseArgs, json: bool) -> anyhow::Result<()> {
+    let Some(queue) = args.queue else {
+        let paused = admin::paused_queues(pool).await.context("cannot read the paused queues")?;
+        if json {
+            print_json(&paused);
+        } else if paused.is_empty() {
+            println!("no queue is paused");
+        } else {
+            paused.iter().for_each(|queue| println!("{}", paused_line(queue)));
+        }
+        return Ok(());
+    };
+    let done =
+        admin::pause(pool, &queue, args.reason.as_deref()).await.map_err(|error| match error.as_database_error() {
+            Some(db) => anyhow!("cannot pause queue {queue:?}: the database refused it: {}", db.message()),
+            None => anyhow!(error).context(format!("cannot pause queue {queue:?}")),
+        })?;
+    let text = if done.already {
+        format!("{} (already)", paused_line(&done.queue))
+    } else {
+        format!("{}: no job of it is claimed until `rowq resume {queue}`", paused_line(&done.queue))
+    };
+    say(json, &done, &text);
+    Ok(())
+}
+
+async fn resume(pool: &PgPool, queue: &str, json: bool) -> anyhow::Result<()> {
+    let resumed = admin::resume(pool, queue).await.with_context(|| format!("cannot resume queue {queue:?}"))?;
+    let text = match &resumed {
+        Some(was) => format!("queue {queue} resumed, after {}", since(was.paused_at)),
+        None => {
+            // A typo resumes nothing: name what is paused.
+            let paused = admin::paused_queues(pool).await.context("cannot read the paused queues")?;
+            let names: Vec<&str> = paused.iter().map(|p| p.queue.as_str()).collect();
+            if names.is_empty() {
+                format!("queue {queue} was not paused; no queue is")
+            } else {
+                format!("queue {queue} was not paused; paused: {}", names.join(", "))
+            }
+        }
+    };
+    say(json, &serde_json::json!({ "queue": queue, "resumed": resumed.is_some() }), &text);
+    Ok(())
+}
+
+/// `queue emails paused since 2026-12-06T15:00:00Z (3 min ago): SMTP provider down`.
+fn paused_line(paused: &admin::PausedQueue) -> String {
+    let reason = paused.reason.as_deref().map_or(String::new(), |reason| format!(": {reason}"));
+    format!(
+        "queue {} paused since {} ({} ago){reason}",
+        paused.queue,
+        paused.paused_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        since(paused.paused_at)
+    )
+}
+
+/// How long ago `at` was, in the largest whole unit: `40 s`, `3 min`, `5 h`, `2 d`.
+fn since(at: DateTime<Utc>) -> String {
+    let secs = (Utc::now() - at).num_seconds().max(0);
+    match secs {
+        0..60 => format!("{secs} s"),
+        60..3600 => format!("{} min", secs / 60),
+        3600..86_400 => format!("{} h", secs / 3600),
+        _ => format!("{} d", secs / 86_400),
+    }
+}
+
 async fn stats(pool: &PgPool, json: bool) -> anyhow::Result<()> {
     let stats = admin::stats(pool).await.context("cannot read stats")?;
     if json {
@@ -286,6 +364,9 @@ async fn stats(pool: &PgPool, json: bool) -> anyhow::Result<()> {
     if !stats.failed_last_hour.is_empty() {
         let kinds: Vec<String> = stats.failed_last_hour.iter().map(|k| format!("{} {}", k.kind, k.count)).collect();
         println!("failed in the last hour, by kind: {} (rowq list --state failed --kind KIND)", kinds.join(", "));
+    }
+    for paused in &stats.paused {
+        println!("{}", paused_line(paused));
     }
     for holder in &stats.cleanup_held_by {
         println!(

@@ -42,6 +42,14 @@ enum Command {
     Retry(commands::RetryArgs),
     /// Cancel a pending or dispatched job, or all of them of a kind or a queue.
     Cancel(commands::CancelArgs),
+    /// Pause a queue: no scheduler claims its jobs until it is resumed. Jobs are still
+    /// enqueued; dispatched and running jobs finish. With no QUEUE, list the paused queues.
+    Pause(commands::PauseArgs),
+    /// Resume a paused queue: its schedulers are woken and dispatch at once.
+    Resume {
+        /// The queue (the jobs' `queue` column).
+        queue: String,
+    },
     /// Manage the SQS queues.
     Queues {
         #[command(subcommand)]

@@ -1,5 +1,5 @@
-//! Operator transitions and reads: enqueue, get, list, cancel, retry, stats, and the gauges the
-//! scheduler reports as metrics.
+//! Operator transitions and reads: enqueue, get, list, cancel, retry, pause and resume, stats,
+//! and the gauges the scheduler reports as metrics.
 
 use std::time::Duration;
 
@@ -297,6 +297,60 @@ pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>) -> Result<Retrie
     Ok(done)
 }
 
+/// A paused queue: its schedulers claim nothing from it until it is resumed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PausedQueue {
+    pub queue: String,
+    pub paused_at: DateTime<Utc>,
+    pub reason: Option<String>,
+}
+
+from_row!(PausedQueue { queue, paused_at, reason });
+
+/// What [`pause`] did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Paused {
+    #[serde(flatten)]
+    pub queue: PausedQueue,
+    /// The queue was paused before: it stays paused since then, with this reason if one was
+    /// given, else its first.
+    pub already: bool,
+}
+
+/// Pauses `queue`: from the first claim that starts after this returns, no scheduler claims its
+/// jobs. Producers still enqueue, dispatched and running jobs finish, maintenance goes on. The
+/// queue need not have jobs yet. Pausing a paused queue keeps its `paused_at` and records the
+/// new reason, if any. A queue name the database refuses (`rowq.queue_name`) is an error.
+pub async fn pause(pool: &PgPool, queue: &str, reason: Option<&str>) -> Result<Paused, sqlx::Error> {
+    // `paused_at` is the inserting transaction's `now()`: an earlier one means the row was there.
+    let (queue, paused_at, reason, already) = sqlx::query_as(
+        "INSERT INTO rowq.paused_queues AS p (queue, reason) VALUES ($1, $2)
+        ON CONFLICT (queue) DO UPDATE SET reason = coalesce(excluded.reason, p.reason)
+        RETURNING p.queue::text, p.paused_at, p.reason, p.paused_at < now()",
+    )
+    .bind(queue)
+    .bind(reason)
+    .fetch_one(pool)
+    .await?;
+    Ok(Paused { queue: PausedQueue { queue, paused_at, reason }, already })
+}
+
+/// Resumes `queue`, waking the schedulers (the table's trigger notifies, whoever deletes the
+/// row). `None`: it was not paused.
+pub async fn resume(pool: &PgPool, queue: &str) -> Result<Option<PausedQueue>, sqlx::Error> {
+    sqlx::query_as("DELETE FROM rowq.paused_queues WHERE queue = $1 RETURNING queue::text, paused_at, reason")
+        .bind(queue)
+        .fetch_optional(pool)
+        .await
+}
+
+/// The paused queues, the longest paused first.
+pub async fn paused_queues(pool: &PgPool) -> Result<Vec<PausedQueue>, sqlx::Error> {
+    sqlx::query_as("SELECT queue::text, paused_at, reason FROM rowq.paused_queues ORDER BY paused_at, queue")
+        .fetch_all(pool)
+        .await
+}
+
 /// Commits an operator's transition, waking the schedulers (`why`) when it made rows
 /// claimable that sent no `NOTIFY` of their own (that is the insert trigger's): a retried job
 /// is due at once, a group's next job may go once its head is cancelled. Without it an idle
@@ -335,6 +389,8 @@ pub struct Stats {
     /// What has held the cleanup of finished jobs' row versions back for a minute or more
     /// ([`STATS_CLEANUP_HELD_FOR`]), oldest first: while it lasts, claims slow down.
     pub cleanup_held_by: Vec<CleanupHolder>,
+    /// The paused queues ([`pause`]), the longest paused first.
+    pub paused: Vec<PausedQueue>,
 }
 
 /// Jobs of one kind.
@@ -383,7 +439,8 @@ pub async fn stats(pool: &PgPool) -> Result<Stats, sqlx::Error> {
     .fetch_all(pool)
     .await?;
     let cleanup_held_by = cleanup_holders(pool, STATS_CLEANUP_HELD_FOR).await?;
-    Ok(Stats { counts, oldest_pending_secs, finished_last_minute, failed_last_hour, cleanup_held_by })
+    let paused = paused_queues(pool).await?;
+    Ok(Stats { counts, oldest_pending_secs, finished_last_minute, failed_last_hour, cleanup_held_by, paused })
 }
 
 /// [`QueueGauges::due_pending`] counts no further than this, so that a backlog of millions costs
@@ -414,6 +471,9 @@ pub struct QueueGauges {
     /// Claimed and published, not yet started by a worker.
     pub dispatched: i64,
     pub running: i64,
+    /// The queue is paused ([`pause`]): its due jobs wait, and the ages above grow, until it is
+    /// resumed. Reported as 1 or 0.
+    pub paused: bool,
 }
 
 /// The statement of [`queue_gauges`] (public so that tests can `EXPLAIN` it).
@@ -438,7 +498,8 @@ pub const GAUGES_SQL: &str = concat!(
         (SELECT count(*) FROM (SELECT FROM rowq.jobs
                                 WHERE state = 'pending' AND queue = $1 AND run_at <= now() LIMIT $2) due),
         (SELECT count(*) FROM rowq.jobs WHERE state = 'dispatched' AND queue = $1),
-        (SELECT count(*) FROM rowq.jobs WHERE state = 'running' AND queue = $1)
+        (SELECT count(*) FROM rowq.jobs WHERE state = 'running' AND queue = $1),
+        EXISTS (SELECT FROM rowq.paused_queues WHERE queue = $1)
     FROM window_end
     "#
 );
@@ -448,7 +509,7 @@ pub const GAUGES_SQL: &str = concat!(
 /// claimable job is found by walking the due jobs oldest first, each tested as the claim tests
 /// it, and stopping at the first that passes or at the [`CLAIMABLE_WINDOW`]th.
 pub async fn queue_gauges(pool: &PgPool, queue: &str) -> Result<QueueGauges, sqlx::Error> {
-    let (oldest_due_pending_secs, oldest_claimable_secs, due_pending, dispatched, running) =
+    let (oldest_due_pending_secs, oldest_claimable_secs, due_pending, dispatched, running, paused) =
         sqlx::query_as(GAUGES_SQL).bind(queue).bind(GAUGE_COUNT_CAP).bind(CLAIMABLE_WINDOW).fetch_one(pool).await?;
-    Ok(QueueGauges { oldest_due_pending_secs, oldest_claimable_secs, due_pending, dispatched, running })
+    Ok(QueueGauges { oldest_due_pending_secs, oldest_claimable_secs, due_pending, dispatched, running, paused })
 }

@@ -38,6 +38,10 @@ from_row!(Claimed { id, dispatch_gen, group_key, created_at });
 ///
 /// A job with a `group_key` is claimable only while no earlier job of its group is
 /// unfinished: the group runs one at a time, in id order, even across retries.
+///
+/// A paused queue (a row in `rowq.paused_queues`) claims nothing: the statement reads the
+/// pause itself, so a pause holds from the first claim that starts after it commits, in every
+/// scheduler at once, and the claim's `LIMIT 0` leaves its rows unread.
 pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) -> Result<Vec<Claimed>, sqlx::Error> {
     Ok(claim_due_within(pool, queue, limit, u32::MAX, lease).await?.jobs)
 }
@@ -46,7 +50,8 @@ pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) 
 pub const CLAIM_SQL: &str = concat!(
     r#"
         WITH in_flight AS (
-            SELECT count(*) AS n, set_config('synchronous_commit', 'off', true) AS commit_mode
+            SELECT count(*) AS n, set_config('synchronous_commit', 'off', true) AS commit_mode,
+                   EXISTS (SELECT FROM rowq.paused_queues WHERE queue = $1) AS paused
             FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
         ),
         due AS (
@@ -59,7 +64,8 @@ pub const CLAIM_SQL: &str = concat!(
     super::first_of_its_group!(),
     r#"
             ORDER BY j.priority DESC, j.run_at, j.id
-            LIMIT least($2, greatest(0, $4 - (SELECT n FROM in_flight)))
+            LIMIT CASE WHEN (SELECT paused FROM in_flight) THEN 0
+                       ELSE least($2, greatest(0, $4 - (SELECT n FROM in_flight))) END
             FOR UPDATE SKIP LOCKED
         ),
         next_due AS (
@@ -74,7 +80,7 @@ pub const CLAIM_SQL: &str = concat!(
             WHERE j.id = ANY (ARRAY(SELECT id FROM due))
             RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at
         )
-        SELECT c.id, c.dispatch_gen, c.group_key, c.created_at, in_flight.n, next_due.at
+        SELECT c.id, c.dispatch_gen, c.group_key, c.created_at, in_flight.n, next_due.at, in_flight.paused
         FROM in_flight CROSS JOIN next_due LEFT JOIN claimed c ON true
         ORDER BY c.priority DESC, c.run_at, c.id
         "#
@@ -90,13 +96,15 @@ pub struct Claim {
     /// The earliest `run_at` in the future among the queue's pending rows: when something
     /// next falls due (delayed jobs, retries after backoff), if nothing is due now.
     pub next_due: Option<DateTime<Utc>>,
+    /// The queue is paused (`rowq.paused_queues`): the claim took nothing.
+    pub paused: bool,
 }
 
 /// [`claim_due`], taking no more rows than leave fewer than `max_in_flight` rows of the queue
 /// `dispatched` (backpressure), counted in the same statement. One round trip per pass: the
-/// statement also returns the in-flight count it saw and the next future `run_at`, in one row
-/// with no job when it claims nothing, so neither an empty claim nor the scheduler's idle
-/// wait needs a second query.
+/// statement also returns the in-flight count it saw, the next future `run_at` and whether the
+/// queue is paused, in one row with no job when it claims nothing, so neither an empty claim
+/// nor the scheduler's idle wait needs a second query.
 ///
 /// The claim commits asynchronously (`synchronous_commit` off for its own transaction only):
 /// it returns without waiting for its WAL to reach the disk, which is most of a claim's time
@@ -116,7 +124,7 @@ pub async fn claim_due_within(
     max_in_flight: u32,
     lease: Duration,
 ) -> Result<Claim, sqlx::Error> {
-    type Row = (Option<JobId>, Option<i64>, Option<String>, Option<DateTime<Utc>>, i64, Option<DateTime<Utc>>);
+    type Row = (Option<JobId>, Option<i64>, Option<String>, Option<DateTime<Utc>>, i64, Option<DateTime<Utc>>, bool);
     let rows: Vec<Row> = sqlx::query_as(CLAIM_SQL)
         .bind(queue)
         .bind(i64::from(limit))
@@ -124,14 +132,14 @@ pub async fn claim_due_within(
         .bind(i64::from(max_in_flight))
         .fetch_all(executor)
         .await?;
-    let (in_flight_before, next_due) = rows.first().map_or((0, None), |row| (row.4, row.5));
+    let (in_flight_before, next_due, paused) = rows.first().map_or((0, None, false), |row| (row.4, row.5, row.6));
     let jobs = rows
         .into_iter()
-        .filter_map(|(id, dispatch_gen, group_key, created_at, _, _)| {
+        .filter_map(|(id, dispatch_gen, group_key, created_at, ..)| {
             Some(Claimed { id: id?, dispatch_gen: dispatch_gen?, group_key, created_at: created_at? })
         })
         .collect();
-    Ok(Claim { jobs, in_flight_before, next_due })
+    Ok(Claim { jobs, in_flight_before, next_due, paused })
 }
 
 /// The statement of [`release`] (public so that tests can `EXPLAIN` it).

@@ -61,6 +61,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (20261130000001, "jobs", include_str!("../../migrations/20261130000001_jobs.sql")),
     (20261130000002, "checks on write", include_str!("../../migrations/20261130000002_checks_on_write.sql")),
     (20261204000003, "rules as domains", include_str!("../../migrations/20261204000003_rules_as_domains.sql")),
+    (20261206000004, "paused queues", include_str!("../../migrations/20261206000004_paused_queues.sql")),
 ];
 
 /// The channel the insert trigger notifies (one notification per inserting statement).
