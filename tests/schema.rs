@@ -87,6 +87,24 @@ async fn a_second_enqueue_with_the_same_dedup_key_is_a_no_op_until_the_first_fin
     assert_ne!(third, first);
 }
 
+/// The README's recurring job (a `pg_cron` schedule of an `INSERT`): a tick while the last
+/// run is unfinished adds nothing; once it has finished, the next tick enqueues again.
+#[tokio::test]
+async fn the_readmes_recurring_insert_enqueues_once_per_tick_and_never_doubles_an_unfinished_run() {
+    let readme = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let schedule = readme.split("SELECT cron.schedule(").nth(1).expect("the README schedules a recurring job");
+    let insert = schedule.split("$$").nth(1).expect("the schedule's command is quoted with $$");
+    let pool = common::database().await;
+    let tick = || sqlx::query(sqlx::AssertSqlSafe(insert.to_string())).execute(&pool);
+    assert_eq!(tick().await.unwrap().rows_affected(), 1);
+    assert_eq!(tick().await.unwrap().rows_affected(), 0, "the last run is unfinished: this tick adds nothing");
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now()").execute(&pool).await.unwrap();
+    assert_eq!(tick().await.unwrap().rows_affected(), 1, "the last run finished: this tick enqueues");
+    let kinds: Vec<(String, String)> =
+        sqlx::query_as("SELECT kind::text, state::text FROM rowq.jobs ORDER BY id").fetch_all(&pool).await.unwrap();
+    assert_eq!(kinds, [("nightly_report".into(), "succeeded".into()), ("nightly_report".into(), "pending".into())]);
+}
+
 #[tokio::test]
 async fn concurrent_enqueues_with_one_dedup_key_insert_exactly_one_row() {
     let pool = common::database().await;
