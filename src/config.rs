@@ -219,6 +219,9 @@ pub struct SchedulerConfig {
     pub poll_interval: Duration,
     /// Wake-up while work waits on capacity (in-flight cap reached).
     pub busy_poll: Duration,
+    /// `ROWQ_MAX_DISPATCH_RATE`: publish at most this many jobs per second (this scheduler's
+    /// share of what a downstream service accepts); `None` publishes as fast as jobs fall due.
+    pub max_dispatch_rate: Option<u32>,
     /// A dispatched row not fenced by a worker within this is rescued.
     pub dispatch_lease: Duration,
     pub maintenance_interval: Duration,
@@ -250,6 +253,7 @@ impl SchedulerConfig {
             publish_concurrency: env.number("ROWQ_PUBLISH_CONCURRENCY", DEFAULT_PUBLISH_CONCURRENCY, 1..=256)?,
             poll_interval: env.millis("ROWQ_POLL_INTERVAL_MS", DEFAULT_POLL_INTERVAL_MS, 10..=600_000)?,
             busy_poll: env.millis("ROWQ_BUSY_POLL_MS", DEFAULT_BUSY_POLL_MS, 1..=60_000)?,
+            max_dispatch_rate: Some(env.number("ROWQ_MAX_DISPATCH_RATE", 0, 0..=1_000_000)?).filter(|rate| *rate > 0),
             dispatch_lease: env.secs("ROWQ_DISPATCH_LEASE_SECS", DEFAULT_DISPATCH_LEASE_SECS, 1..=86_400)?,
             maintenance_interval: env.secs(
                 "ROWQ_MAINTENANCE_INTERVAL_SECS",
@@ -428,6 +432,18 @@ mod tests {
         assert_eq!(config.cleanup_warn_after, Some(Duration::from_secs(DEFAULT_CLEANUP_WARN_SECS)));
         assert_eq!(config.retention, Duration::from_secs(DEFAULT_RETENTION_HOURS * 3600));
         assert_eq!(config.metrics_namespace, None);
+        assert_eq!(config.max_dispatch_rate, None);
+    }
+
+    #[test]
+    fn a_dispatch_rate_of_zero_is_no_limit_and_one_that_is_no_whole_number_is_refused() {
+        let config = scheduler(&[DB, QUEUE, ("ROWQ_MAX_DISPATCH_RATE", "50")]).unwrap();
+        assert_eq!(config.max_dispatch_rate, Some(50));
+        assert_eq!(scheduler(&[DB, QUEUE, ("ROWQ_MAX_DISPATCH_RATE", "0")]).unwrap().max_dispatch_rate, None);
+        let Err(error) = scheduler(&[DB, QUEUE, ("ROWQ_MAX_DISPATCH_RATE", "2.5")]) else {
+            panic!("a fraction was accepted")
+        };
+        assert!(error.to_string().contains("ROWQ_MAX_DISPATCH_RATE"), "{error}");
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub struct DispatchReport {
     pub next_due: Option<chrono::DateTime<chrono::Utc>>,
     /// The queue is paused (`rowq pause`): the claim took nothing.
     pub paused: bool,
+    /// `ROWQ_MAX_DISPATCH_RATE` held the claim to fewer rows than a batch, and it took all it
+    /// was allowed (or it was allowed none): more may be due once the rate allows.
+    pub rate_limited: bool,
 }
 
 /// A pass that could not complete: the database is unreachable or refused a statement.
@@ -82,6 +85,56 @@ pub struct Scheduler<P> {
     cleanup_check: NotBefore,
     /// When the metrics may next be reported ([`Scheduler::report_metrics`]).
     metrics_report: NotBefore,
+    /// `ROWQ_MAX_DISPATCH_RATE`, when set.
+    rate: Option<DispatchRate>,
+}
+
+/// A token bucket of claimed rows for `ROWQ_MAX_DISPATCH_RATE`. It holds a tenth of a
+/// second's worth of rows (one at least), so that a limited backlog goes out in about ten
+/// claims a second, each as large as that, rather than one claim per job.
+struct DispatchRate {
+    per_sec: f64,
+    capacity: f64,
+    /// Tokens, and when they were counted.
+    bucket: std::sync::Mutex<(f64, Instant)>,
+}
+
+impl DispatchRate {
+    fn new(per_sec: u32) -> Self {
+        let per_sec = f64::from(per_sec);
+        let capacity = (per_sec / 10.0).max(1.0);
+        DispatchRate { per_sec, capacity, bucket: std::sync::Mutex::new((capacity, Instant::now())) }
+    }
+
+    /// The tokens now, after adding what accrued since they were last counted.
+    fn refilled(&self) -> std::sync::MutexGuard<'_, (f64, Instant)> {
+        let mut bucket = self.bucket.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        bucket.0 = (bucket.0 + now.duration_since(bucket.1).as_secs_f64() * self.per_sec).min(self.capacity);
+        bucket.1 = now;
+        bucket
+    }
+
+    /// Takes up to `want` whole tokens; returns how many it took.
+    fn take(&self, want: u32) -> u32 {
+        let mut bucket = self.refilled();
+        // In [0, capacity], and the capacity is at most 100,000: the cast neither wraps nor cuts.
+        let granted = (bucket.0.floor() as u32).min(want);
+        bucket.0 -= f64::from(granted);
+        granted
+    }
+
+    /// Returns what a claim was allowed and did not take.
+    fn give_back(&self, unused: u32) {
+        let mut bucket = self.refilled();
+        bucket.0 = (bucket.0 + f64::from(unused)).min(self.capacity);
+    }
+
+    /// How long until the bucket is full again: the wait between two limited claims.
+    fn until_full(&self) -> Duration {
+        let bucket = self.refilled();
+        Duration::from_secs_f64((self.capacity - bucket.0).max(0.0) / self.per_sec)
+    }
 }
 
 /// The earliest time something periodic may run again; at first, at once.
@@ -104,7 +157,15 @@ impl NotBefore {
 
 impl<P: Publisher> Scheduler<P> {
     pub fn new(pool: PgPool, publisher: P, config: SchedulerConfig) -> Self {
-        Scheduler { pool, publisher, config, cleanup_check: NotBefore::default(), metrics_report: NotBefore::default() }
+        let rate = config.max_dispatch_rate.map(DispatchRate::new);
+        Scheduler {
+            pool,
+            publisher,
+            config,
+            cleanup_check: NotBefore::default(),
+            metrics_report: NotBefore::default(),
+            rate,
+        }
     }
 
     pub fn publisher(&self) -> &P {
@@ -165,11 +226,11 @@ impl<P: Publisher> Scheduler<P> {
                 break;
             }
             tokio::select! {
-                Some((returned, claim)) = OptionFuture::from(claiming.as_mut().as_pin_mut()), if claiming.is_some() => {
+                Some((returned, claim, allowed)) = OptionFuture::from(claiming.as_mut().as_pin_mut()), if claiming.is_some() => {
                     claiming.set(None);
                     listener = returned;
                     match claim {
-                        Ok(claim) => unsent.extend(self.claimed(claim, &mut report)),
+                        Ok(claim) => unsent.extend(self.claimed(claim, allowed, &mut report)),
                         Err(source) => error = Some(self.db_error("claim due jobs", source)),
                     }
                 }
@@ -188,28 +249,44 @@ impl<P: Publisher> Scheduler<P> {
         DispatchError::Database { action, queue: self.config.queue.clone(), source }
     }
 
-    /// One claim, on the listener's connection when there is one, which it hands back.
+    /// One claim, on the listener's connection when there is one, which it hands back, with
+    /// the rows it was allowed to take: a batch, or fewer under `ROWQ_MAX_DISPATCH_RATE`. Allowed
+    /// none, it reads nothing.
     async fn claim<'l>(
         &self,
         listener: Option<&'l mut PgListener>,
-    ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>) {
-        let (queue, batch, cap, lease) =
-            (&self.config.queue, self.config.claim_batch, self.config.max_in_flight, self.config.dispatch_lease);
-        match listener {
+    ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>, u32) {
+        let (queue, cap, lease) = (&self.config.queue, self.config.max_in_flight, self.config.dispatch_lease);
+        let batch = self.rate.as_ref().map_or(self.config.claim_batch, |rate| rate.take(self.config.claim_batch));
+        if batch == 0 {
+            let none = Claim { jobs: Vec::new(), in_flight_before: 0, next_due: None, paused: false };
+            return (listener, Ok(none), 0);
+        }
+        let (listener, claim) = match listener {
             Some(listener) => {
                 let claim = store::dispatch::claim_due_within(&mut *listener, queue, batch, cap, lease).await;
                 (Some(listener), claim)
             }
             None => (None, store::dispatch::claim_due_within(&self.pool, queue, batch, cap, lease).await),
+        };
+        if let (Some(rate), Err(_)) = (&self.rate, &claim) {
+            rate.give_back(batch);
         }
+        (listener, claim, batch)
     }
 
-    /// Adds a claim to the report; returns its rows as the messages to send, in batches.
-    fn claimed(&self, claim: Claim, report: &mut DispatchReport) -> Vec<Vec<Outgoing>> {
+    /// Adds a claim that was `allowed` so many rows to the report; returns its rows as the
+    /// messages to send, in batches.
+    fn claimed(&self, claim: Claim, allowed: u32, report: &mut DispatchReport) -> Vec<Vec<Outgoing>> {
         let cap = self.config.max_in_flight;
         let jobs = claim.jobs;
         report.claimed += jobs.len();
         report.full = jobs.len() == self.config.claim_batch as usize;
+        let took = u32::try_from(jobs.len()).unwrap_or(u32::MAX);
+        if let Some(rate) = &self.rate {
+            rate.give_back(allowed.saturating_sub(took));
+        }
+        report.rate_limited = allowed < self.config.claim_batch && took == allowed;
         report.next_due = claim.next_due;
         report.paused = claim.paused;
         // Fewer than a batch: nothing more is due, or the cap held the claim back.
@@ -357,6 +434,10 @@ impl<P: Publisher> Scheduler<P> {
                 backoff = ERROR_BACKOFF_MIN;
                 if report.full {
                     continue;
+                } else if report.rate_limited {
+                    // Until the rate allows a claim as large as the bucket holds; `once` too,
+                    // as more may be due.
+                    self.rate.as_ref().map_or(self.config.busy_poll, DispatchRate::until_full)
                 } else if once {
                     break StopReason::Drained;
                 } else if paused {
@@ -370,10 +451,13 @@ impl<P: Publisher> Scheduler<P> {
                 }
             };
             let wait = budget_left.map_or(wait, |left| wait.min(left));
+            // A limited scheduler waits out its rate whatever is inserted meanwhile: each
+            // notification would otherwise wake it for a claim of the few rows that accrued.
+            let listening = !report.rate_limited;
             let woke_by_listener = tokio::select! {
                 _ = shutdown.changed() => false,
                 _ = tokio::time::sleep(wait) => false,
-                notification = recv(&mut listener) => match notification {
+                notification = recv(&mut listener), if listening => match notification {
                     Ok(true) => true,
                     Ok(false) => false,
                     Err(error) => {

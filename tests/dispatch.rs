@@ -644,6 +644,28 @@ async fn a_paused_queue_is_claimed_from_by_no_scheduler_until_it_is_resumed() {
     assert_eq!(sent_ids(&schedulers[0]), held);
 }
 
+/// `ROWQ_MAX_DISPATCH_RATE` holds a backlog to its rate: 150 due jobs at 100 a second, of which
+/// the bucket holds a tenth of a second's worth (10) at first, cannot go out in less than 1.4 s,
+/// nor in fewer than 15 claims; and every one of them goes, once.
+#[tokio::test]
+async fn a_dispatch_rate_holds_a_backlog_to_it_and_all_of_it_goes() {
+    let pool = common::database().await;
+    let ids = common::enqueue_many(&pool, "noop", 150).await;
+    let mut config = common::scheduler_config(MEMORY_URL);
+    config.max_dispatch_rate = Some(100);
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), config);
+    let began = Instant::now();
+    let (_keep, shutdown) = watch::channel(false);
+    let totals = scheduler.run(shutdown, true).await;
+    let took = began.elapsed();
+    assert_eq!(totals.published, 150, "{totals:?}");
+    assert!(took >= Duration::from_millis(1400), "150 jobs at 100 a second went out in {took:?}");
+    assert!(totals.passes >= 15, "claims of more than the bucket holds: {totals:?}");
+    let mut sent = sent_ids(&scheduler);
+    sent.sort_unstable();
+    assert_eq!(sent, ids);
+}
+
 /// A running scheduler whose queue is paused says so in its log, once however often it is
 /// woken, and claims nothing; a resume by plain SQL wakes it at once (the table's trigger
 /// notifies), not at its poll 600 s later, and it says that too.

@@ -163,6 +163,7 @@ pub fn scheduler_config(queue_url: &str) -> SchedulerConfig {
         publish_concurrency: 8,
         poll_interval: Duration::from_millis(200),
         busy_poll: Duration::from_millis(20),
+        max_dispatch_rate: None,
         dispatch_lease: Duration::from_secs(300),
         maintenance_interval: Duration::from_secs(1),
         retention: Duration::ZERO,
