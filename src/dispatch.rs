@@ -106,18 +106,22 @@ impl DispatchRate {
         DispatchRate { per_sec, capacity, bucket: std::sync::Mutex::new((capacity, Instant::now())) }
     }
 
-    /// The tokens now, after adding what accrued since they were last counted.
-    fn refilled(&self) -> std::sync::MutexGuard<'_, (f64, Instant)> {
+    /// The tokens at `now`, after adding what accrued since they were last counted.
+    fn refilled(&self, now: Instant) -> std::sync::MutexGuard<'_, (f64, Instant)> {
         let mut bucket = self.bucket.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let now = Instant::now();
-        bucket.0 = (bucket.0 + now.duration_since(bucket.1).as_secs_f64() * self.per_sec).min(self.capacity);
-        bucket.1 = now;
+        let accrued = now.saturating_duration_since(bucket.1).as_secs_f64() * self.per_sec;
+        bucket.0 = (bucket.0 + accrued).min(self.capacity);
+        bucket.1 = bucket.1.max(now);
         bucket
     }
 
     /// Takes up to `want` whole tokens; returns how many it took.
     fn take(&self, want: u32) -> u32 {
-        let mut bucket = self.refilled();
+        self.take_at(want, Instant::now())
+    }
+
+    fn take_at(&self, want: u32, now: Instant) -> u32 {
+        let mut bucket = self.refilled(now);
         // In [0, capacity], and the capacity is at most 100,000: the cast neither wraps nor cuts.
         let granted = (bucket.0.floor() as u32).min(want);
         bucket.0 -= f64::from(granted);
@@ -126,13 +130,17 @@ impl DispatchRate {
 
     /// Returns what a claim was allowed and did not take.
     fn give_back(&self, unused: u32) {
-        let mut bucket = self.refilled();
+        let mut bucket = self.refilled(Instant::now());
         bucket.0 = (bucket.0 + f64::from(unused)).min(self.capacity);
     }
 
     /// How long until the bucket is full again: the wait between two limited claims.
     fn until_full(&self) -> Duration {
-        let bucket = self.refilled();
+        self.until_full_at(Instant::now())
+    }
+
+    fn until_full_at(&self, now: Instant) -> Duration {
+        let bucket = self.refilled(now);
         Duration::from_secs_f64((self.capacity - bucket.0).max(0.0) / self.per_sec)
     }
 }
@@ -419,7 +427,8 @@ impl<P: Publisher> Scheduler<P> {
             totals.claimed += report.claimed as u64;
             totals.published += report.published as u64;
             totals.released += report.released as u64;
-            if error.is_none() && report.paused != paused {
+            // A claim the rate allowed no row read nothing, the pause included.
+            if error.is_none() && !report.rate_limited && report.paused != paused {
                 paused = report.paused;
                 log_pause(&self.config.queue, paused);
             }
@@ -672,4 +681,27 @@ pub fn shutdown_on_signals() -> watch::Receiver<bool> {
         let _ = sender.send(true);
     });
     receiver
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dispatch_rate_grants_what_its_bucket_holds_as_it_refills_and_takes_back_what_a_claim_left() {
+        let rate = DispatchRate::new(100); // a tenth of a second's worth: 10
+        let start = rate.bucket.lock().unwrap().1;
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        assert_eq!(rate.take_at(500, at(0)), 10);
+        assert_eq!(rate.take_at(500, at(5)), 0, "a token takes 10 ms to accrue");
+        let wait = rate.until_full_at(at(5)).as_secs_f64();
+        assert!((wait - 0.095).abs() < 1e-6, "9.5 tokens short: {wait} s");
+        assert_eq!(rate.take_at(500, at(42)), 4, "42 ms: 4.2 tokens, taken whole");
+        assert_eq!(rate.take_at(500, at(55)), 1, "the 0.2 left and 13 ms more");
+        rate.give_back(1000);
+        assert_eq!(rate.take_at(500, at(60)), 10, "the bucket holds no more than its capacity");
+        assert_eq!(rate.take_at(500, at(10_000)), 10, "nor after a long idle time");
+        assert_eq!(rate.take_at(4, at(10_000)), 0);
+        assert_eq!(DispatchRate::new(3).take(500), 1, "a slow rate still holds one job");
+    }
 }
