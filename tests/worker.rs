@@ -228,6 +228,33 @@ async fn job_errors_retry_with_backoff_then_succeed_and_fail_when_attempts_run_o
     assert_eq!((row.state, row.attempts), (JobState::Failed, 1), "a permanent error must not retry");
 }
 
+/// The next step of a workflow, enqueued by a handler through its job's transaction: it exists
+/// once, from the attempt that succeeded, however many attempts failed after enqueuing it, and
+/// it is dispatched and run like any job.
+#[tokio::test]
+async fn a_follow_up_enqueued_through_the_jobs_transaction_exists_once_and_only_after_success() {
+    let pool = common::database().await;
+    let registry = registry().register("chain", |ctx: JobContext, input: serde_json::Value| async move {
+        let next = NewJob::new("echo", json!({ "after": ctx.job_id, "attempt": ctx.attempt }));
+        admin::enqueue(&mut **ctx.tx().await?, &next).await?;
+        if i64::from(ctx.attempt) <= input["fail_first"].as_i64().unwrap_or(0) {
+            return Err(rowq::JobError::retryable(format!("attempt {} fails after enqueuing", ctx.attempt)));
+        }
+        Ok(())
+    });
+    let worker = Worker::new(pool.clone(), registry, common::worker_config());
+    let id = common::enqueue(&pool, "chain", json!({ "fail_first": 2 })).await;
+    let row = run_to_end(&pool, &worker, id).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 3));
+
+    let follow_ups: Vec<(JobId, serde_json::Value)> =
+        sqlx::query_as("SELECT id, payload FROM rowq.jobs WHERE kind = 'echo'").fetch_all(&pool).await.unwrap();
+    let expected = json!({ "after": id, "attempt": 3 });
+    assert_eq!(follow_ups.iter().map(|(_, payload)| payload).collect::<Vec<_>>(), [&expected]);
+    let next = run_to_end(&pool, &worker, follow_ups[0].0).await;
+    assert_eq!((next.state, next.result), (JobState::Succeeded, Some(expected)));
+}
+
 #[tokio::test]
 async fn unknown_kinds_and_payloads_that_do_not_fit_fail_with_a_clear_error() {
     let pool = common::database().await;
