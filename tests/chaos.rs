@@ -1,7 +1,8 @@
 //! The chaos run: real Postgres, real LocalStack, scheduler and runner *processes*, and faults
 //! injected at random while thousands of jobs flow — SIGKILLed processes, every message
-//! delivered twice, terminated database sessions, an unreachable SQS endpoint, run deadlines
-//! cut short. At the end every invariant rowq promises is checked and printed.
+//! delivered twice, terminated database sessions, an unreachable SQS endpoint, the queue paused
+//! and resumed, run deadlines cut short. At the end every invariant rowq promises is checked and
+//! printed.
 //!
 //! `make chaos` runs it at full size (CHAOS_JOBS=5000, CHAOS_SECONDS=60); `make test` at a small
 //! one. The binary is its own runner process: started with `--runner` it serves the queue with
@@ -181,11 +182,13 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
     let started = Instant::now();
     let mut faults = Faults::default();
     let mut spawned = settings.schedulers + settings.runners;
-    // The first six faults are one of each kind, so even a small run injects them all.
+    // Rows claimed while the queue was paused, after a moment for a claim already running.
+    let mut claimed_while_paused = 0;
+    // The first seven faults are one of each kind, so even a small run injects them all.
     let mut tick = 0;
     while started.elapsed() < settings.fault_window {
         tokio::time::sleep(Duration::from_millis(rng.random_range(150..600))).await;
-        let roll = if tick < 6 { [0, 20, 45, 60, 75, 85][tick] } else { rng.random_range(0..100) };
+        let roll = if tick < 7 { [0, 20, 45, 60, 75, 85, 93][tick] } else { rng.random_range(0..100) };
         tick += 1;
         match roll {
             0..=19 => {
@@ -222,6 +225,22 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
                 outage.send_replace(false);
                 faults.add("SQS endpoint unreachable (windows)", 1);
                 faults.add("SQS endpoint unreachable (ms)", cut.as_millis() as u64);
+            }
+            85..=92 => {
+                // As `rowq pause` and `rowq resume` do it. Every claim adds one to a generation.
+                let claims = || sqlx::query_scalar::<_, i64>("SELECT sum(dispatch_gen)::bigint FROM rowq.jobs");
+                sqlx::query("INSERT INTO rowq.paused_queues (queue, reason) VALUES ('default', 'chaos')")
+                    .execute(&pool)
+                    .await?;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let before = claims().fetch_one(&pool).await?;
+                let paused = Duration::from_millis(rng.random_range(500..1500));
+                tokio::time::sleep(paused).await;
+                let after = claims().fetch_one(&pool).await?;
+                sqlx::query("DELETE FROM rowq.paused_queues WHERE queue = 'default'").execute(&pool).await?;
+                claimed_while_paused += after - before;
+                faults.add("queue paused, then resumed (windows)", 1);
+                faults.add("queue paused (ms)", paused.as_millis() as u64);
             }
             _ => {
                 let cut = sqlx::query(
@@ -271,7 +290,12 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
         terminate(child).await;
     }
 
-    let checks = check_invariants(&pool, &sqs, &queues.queue_url, &queues.dlq_url, settings.jobs).await?;
+    let mut checks = check_invariants(&pool, &sqs, &queues.queue_url, &queues.dlq_url, settings.jobs).await?;
+    checks.push((
+        "no row claimed while its queue was paused",
+        claimed_while_paused == 0,
+        format!("{claimed_while_paused} claims"),
+    ));
     println!();
     println!("{:<46} {:>10}", "FAULT INJECTED", "COUNT");
     for (kind, n) in &faults.0 {
