@@ -541,4 +541,7 @@ async fn pause_and_resume_a_queue_from_the_command_line_and_find_it_in_stats() {
 
     let message = refusal(&pool, &["pause", "two words"]);
     assert!(message.contains("cannot pause queue \"two words\": the database refused it"), "{message}");
+    let message = refusal(&pool, &["pause", "emails", "--reason", ""]);
+    assert!(message.contains("paused_queues_reason_is_1_to_1000_characters"), "{message}");
+    assert_eq!(json_of(&pool, &["pause"]), json!([]), "a refused pause pauses nothing");
 }
