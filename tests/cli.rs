@@ -455,12 +455,20 @@ async fn a_retry_of_the_failed_jobs_of_a_kind_leaves_other_kinds_and_names_those
         .unwrap();
 
     let since = (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
-    let done = json_of(&pool, &["retry", "--all-failed", "--kind", "resize", "--queue", "default", "--since", &since]);
+    let states =
+        || sqlx::query_as::<_, (i64, String)>("SELECT id, state::text FROM rowq.jobs ORDER BY id").fetch_all(&pool);
+    let untouched = states().await.unwrap();
+    let filters = ["retry", "--all-failed", "--kind", "resize", "--queue", "default", "--since", &since];
+    // A dry run says exactly what the retry will do, and does nothing.
+    let dry = json_of(&pool, &[&filters[..], &["--dry-run"]].concat());
+    assert_eq!(states().await.unwrap(), untouched, "a dry run changed the table");
+    let done = json_of(&pool, &filters);
     assert_eq!(done["retried"], json!([plain, newer]), "{done}");
     let left = json!([{"id": held, "held_by": holder}, {"id": older, "held_by": newer}]);
     assert_eq!(done["left_failed"], left, "{done}");
-    let states: Vec<(i64, String)> =
-        sqlx::query_as("SELECT id, state::text FROM rowq.jobs ORDER BY id").fetch_all(&pool).await.unwrap();
+    assert_eq!((&dry["retried"], &dry["left_failed"], &dry["dry_run"]), (&done["retried"], &left, &json!(true)));
+    assert_eq!(done.get("dry_run"), None, "{done}");
+    let states: Vec<(i64, String)> = states().await.unwrap();
     let pending = |id: i64| (id, if [plain, holder, newer].contains(&id) { "pending" } else { "failed" }.to_string());
     let expected: Vec<(i64, String)> =
         [plain, held, holder, older, newer, other_kind, other_queue, before].into_iter().map(pending).collect();
@@ -496,6 +504,9 @@ async fn a_cancel_of_all_of_a_kind_cancels_its_unstarted_jobs_and_nothing_else()
 
     let message = refusal(&pool, &["cancel", "--all"]);
     assert!(message.contains("cancel --all needs --kind or --queue"), "{message}");
+    let text = stdout(&rowq(&pool, &["cancel", "--all", "--kind", "spam", "--queue", "default", "--dry-run"]));
+    assert_eq!(text.trim(), "dry run, nothing changed: 2 pending or dispatched jobs would be cancelled");
+    assert_eq!(common::count_in_state(&pool, rowq::JobState::Cancelled).await, 0, "a dry run cancelled jobs");
     let done = json_of(&pool, &["cancel", "--all", "--kind", "spam", "--queue", "default"]);
     assert_eq!(done["cancelled"], json!(ids[..2]), "{done}");
     let states: Vec<String> =

@@ -593,7 +593,10 @@ async fn a_retried_job_is_dispatched_without_waiting_for_the_poll() {
 
     assert!(admin::retry(&pool, one).await.unwrap().is_some());
     wait_dispatched(&pool, one, "a job retried by id to be dispatched").await;
-    assert_eq!(admin::retry_failed(&pool, admin::FailedJobs::default()).await.unwrap().retried, vec![all]);
+    assert_eq!(
+        admin::retry_failed(&pool, admin::FailedJobs::default(), admin::Bulk::Apply).await.unwrap().retried,
+        vec![all]
+    );
     wait_dispatched(&pool, all, "the jobs of a retry of all failed ones to be dispatched").await;
     stop.send(true).unwrap();
     assert_eq!(running.await.unwrap().published, 3);

@@ -71,6 +71,9 @@ pub struct RetryArgs {
     /// Only the jobs that failed at or after this time (RFC 3339): since the bad deploy.
     #[arg(long, requires = "all_failed")]
     since: Option<DateTime<Utc>>,
+    /// Say what --all-failed would put back and leave, and change nothing.
+    #[arg(long, requires = "all_failed")]
+    dry_run: bool,
 }
 
 #[derive(Args)]
@@ -86,6 +89,9 @@ pub struct CancelArgs {
     queue: Option<String>,
     #[arg(long, requires = "all")]
     kind: Option<String>,
+    /// Say what --all would cancel, and change nothing.
+    #[arg(long, requires = "all")]
+    dry_run: bool,
 }
 
 #[derive(Args)]
@@ -208,8 +214,12 @@ fn refused(error: sqlx::Error) -> anyhow::Error {
 async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()> {
     if args.all_failed {
         let which = admin::FailedJobs { queue: args.queue.as_deref(), kind: args.kind.as_deref(), since: args.since };
-        let done = admin::retry_failed(pool, which).await.map_err(|e| retry_refused(e, None))?;
-        let mut text = format!("{} failed jobs back to pending", done.retried.len());
+        let done = admin::retry_failed(pool, which, bulk(args.dry_run)).await.map_err(|e| retry_refused(e, None))?;
+        let mut text = if args.dry_run {
+            format!("dry run, nothing changed: {} failed jobs would go back to pending", done.retried.len())
+        } else {
+            format!("{} failed jobs back to pending", done.retried.len())
+        };
         if !done.left_failed.is_empty() {
             let named: Vec<String> =
                 done.left_failed.iter().map(|left| format!("{} (held by {})", left.id.0, left.held_by.0)).collect();
@@ -219,7 +229,7 @@ async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()>
                 named.join(", ")
             );
         }
-        say(json, &done, &text);
+        say(json, &with_dry_run(&done, args.dry_run), &text);
         return Ok(());
     }
     let id = args.id.unwrap_or_default();
@@ -252,11 +262,15 @@ async fn cancel(pool: &PgPool, args: CancelArgs, json: bool) -> anyhow::Result<(
         if args.queue.is_none() && args.kind.is_none() {
             bail!("cancel --all needs --kind or --queue: name what must not run (a queue cancels all its kinds)");
         }
-        let ids = admin::cancel_unstarted(pool, args.queue.as_deref(), args.kind.as_deref())
+        let ids = admin::cancel_unstarted(pool, args.queue.as_deref(), args.kind.as_deref(), bulk(args.dry_run))
             .await
             .context("cannot cancel")?;
-        let text = format!("{} pending or dispatched jobs cancelled", ids.len());
-        say(json, &serde_json::json!({ "cancelled": ids }), &text);
+        let text = if args.dry_run {
+            format!("dry run, nothing changed: {} pending or dispatched jobs would be cancelled", ids.len())
+        } else {
+            format!("{} pending or dispatched jobs cancelled", ids.len())
+        };
+        say(json, &with_dry_run(&serde_json::json!({ "cancelled": ids }), args.dry_run), &text);
         return Ok(());
     }
     let id = args.id.unwrap_or_default();
@@ -273,6 +287,19 @@ async fn cancel(pool: &PgPool, args: CancelArgs, json: bool) -> anyhow::Result<(
         }
     }
     Ok(())
+}
+
+fn bulk(dry_run: bool) -> admin::Bulk {
+    if dry_run { admin::Bulk::DryRun } else { admin::Bulk::Apply }
+}
+
+/// A bulk command's JSON, with `"dry_run": true` when nothing was changed.
+fn with_dry_run<T: Serialize>(done: &T, dry_run: bool) -> serde_json::Value {
+    let mut value = serde_json::to_value(done).unwrap_or_default();
+    if let (true, Some(object)) = (dry_run, value.as_object_mut()) {
+        object.insert("dry_run".into(), true.into());
+    }
+    value
 }
 
 async fn pause(pool: &PgPool, args: PauseArgs, json: bool) -> anyhow::Result<()> {

@@ -172,6 +172,14 @@ pub async fn cancel(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Er
     Ok(row)
 }
 
+/// Whether a transition of many jobs commits, or runs and rolls back to tell what it would do
+/// (the same statement, so the same rows: an operator's `--dry-run`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bulk {
+    Apply,
+    DryRun,
+}
+
 /// [`cancel`] for every pending or dispatched job of `queue` and of `kind` (each when given), in
 /// one statement: a producer's flood of jobs that must not run. Running jobs are left to finish.
 /// Returns the ids, in order. 200,000 jobs of a kind among 400,000 pending took 3.0 s.
@@ -179,6 +187,7 @@ pub async fn cancel_unstarted(
     pool: &PgPool,
     queue: Option<&str>,
     kind: Option<&str>,
+    bulk: Bulk,
 ) -> Result<Vec<JobId>, sqlx::Error> {
     let mut transaction = pool.begin().await?;
     let rows: Vec<(JobId, bool)> = sqlx::query_as(concat!(
@@ -194,7 +203,7 @@ pub async fn cancel_unstarted(
     .fetch_all(&mut *transaction)
     .await?;
     let group_moved = rows.iter().any(|(_, grouped)| *grouped);
-    commit_waking(transaction, group_moved.then_some("group")).await?;
+    end_bulk(transaction, bulk, group_moved.then_some("group")).await?;
     Ok(rows.into_iter().map(|(id, _)| id).collect())
 }
 
@@ -254,7 +263,7 @@ pub struct LeftFailed {
 /// (`jobs_finished_idx`: 1.0 ms for the last hour's 359 of 300,000 finished rows, against 37 ms
 /// for a scan of them all, which is what a retry without `since` reads). 196,000 failed jobs,
 /// 2,000 of them sharing ten keys, went back in 5.9 s.
-pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>) -> Result<RetriedFailed, sqlx::Error> {
+pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>, bulk: Bulk) -> Result<RetriedFailed, sqlx::Error> {
     let mut transaction = pool.begin().await?;
     let rows: Vec<(JobId, Option<JobId>)> = sqlx::query_as(concat!(
         "WITH candidate AS (
@@ -293,7 +302,7 @@ pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>) -> Result<Retrie
             Some(held_by) => done.left_failed.push(LeftFailed { id, held_by }),
         }
     }
-    commit_waking(transaction, (!done.retried.is_empty()).then_some("retried")).await?;
+    end_bulk(transaction, bulk, (!done.retried.is_empty()).then_some("retried")).await?;
     Ok(done)
 }
 
@@ -349,6 +358,18 @@ pub async fn paused_queues(pool: &PgPool) -> Result<Vec<PausedQueue>, sqlx::Erro
     sqlx::query_as("SELECT queue::text, paused_at, reason FROM rowq.paused_queues ORDER BY paused_at, queue")
         .fetch_all(pool)
         .await
+}
+
+/// Commits a transition of many jobs as [`commit_waking`] does, or rolls it back for a dry run.
+async fn end_bulk(
+    transaction: sqlx::Transaction<'_, sqlx::Postgres>,
+    bulk: Bulk,
+    why: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    match bulk {
+        Bulk::Apply => commit_waking(transaction, why).await,
+        Bulk::DryRun => transaction.rollback().await,
+    }
 }
 
 /// Commits an operator's transition, waking the schedulers (`why`) when it made rows
