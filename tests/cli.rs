@@ -519,6 +519,24 @@ async fn a_cancel_of_all_of_a_kind_cancels_its_unstarted_jobs_and_nothing_else()
     assert!(message.contains("is running (attempt 1): it cannot be cancelled now"), "{message}");
 }
 
+/// A CLI newer than the database's schema (upgraded before the scheduler, which migrates at
+/// start) says to migrate when a command needs what the schema lacks; what it does not need
+/// still works, and after `rowq migrate` so does the rest.
+#[tokio::test]
+async fn a_command_that_needs_a_newer_schema_says_to_run_migrate() {
+    let pool = common::database_migrated_to(20261204000003).await;
+    for args in [&["pause", "emails"][..], &["stats"], &["resume", "emails"]] {
+        let message = refusal(&pool, args);
+        assert!(message.contains("schema is older than this rowq: run `rowq migrate`"), "{args:?}: {message}");
+        assert_eq!(message.matches("does not exist").count(), 1, "the cause said once: {message}");
+    }
+    assert!(json_of(&pool, &["enqueue", "noop"])["enqueued"].as_bool().unwrap_or_default());
+    json_of(&pool, &["migrate"]);
+    assert_eq!(json_of(&pool, &["pause", "emails"])["already"], json!(false));
+    let message = refusal(&pool, &["status", "12345"]);
+    assert!(!message.contains("rowq migrate"), "not a schema's error: {message}");
+}
+
 /// `rowq pause` and `rowq resume`: the pause is in `stats` with its reason, a second pause says
 /// it was already paused, a resume of a queue that is not paused names those that are (a typo
 /// resumes nothing), and a name the database refuses is one clear line.

@@ -111,14 +111,35 @@ pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Re
         _ => {}
     }
     let pool = connect(database_url).await?;
+    operate(&pool, json, command).await.map_err(behind_schema)
+}
+
+/// A table or column this rowq reads that the database lacks: its rowq schema is older than
+/// this binary, as when the CLI is upgraded before the scheduler (which migrates at start).
+fn behind_schema(error: anyhow::Error) -> anyhow::Error {
+    const UNDEFINED_TABLE: &str = "42P01";
+    const UNDEFINED_COLUMN: &str = "42703";
+    let missing = error
+        .chain()
+        .filter_map(|cause| cause.downcast_ref::<sqlx::Error>())
+        .filter_map(sqlx::Error::as_database_error)
+        .any(|db| matches!(db.code().as_deref(), Some(UNDEFINED_TABLE | UNDEFINED_COLUMN)));
+    if missing {
+        error.context("the database's rowq schema is older than this rowq: run `rowq migrate`")
+    } else {
+        error
+    }
+}
+
+async fn operate(pool: &PgPool, json: bool, command: Command) -> anyhow::Result<()> {
     match command {
         Command::Migrate => {
-            store::migrate(&pool).await.context("migration failed")?;
+            store::migrate(pool).await.context("migration failed")?;
             say(json, &serde_json::json!({"migrated": true}), "schema rowq is up to date");
         }
-        Command::Enqueue(args) => enqueue(&pool, args, json).await?,
+        Command::Enqueue(args) => enqueue(pool, args, json).await?,
         Command::Status { id } => {
-            let row = get(&pool, id).await?;
+            let row = get(pool, id).await?;
             if json {
                 print_json(&row);
             } else {
@@ -127,18 +148,18 @@ pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Re
         }
         Command::List(args) => {
             let filter = admin::ListFilter { state: args.state, kind: args.kind, queue: args.queue, limit: args.limit };
-            let rows = admin::list(&pool, &filter).await.context("cannot list jobs")?;
+            let rows = admin::list(pool, &filter).await.context("cannot list jobs")?;
             if json {
                 print_json(&rows);
             } else {
                 print_table(&rows);
             }
         }
-        Command::Stats => stats(&pool, json).await?,
-        Command::Retry(args) => retry(&pool, args, json).await?,
-        Command::Cancel(args) => cancel(&pool, args, json).await?,
-        Command::Pause(args) => pause(&pool, args, json).await?,
-        Command::Resume { queue } => resume(&pool, &queue, json).await?,
+        Command::Stats => stats(pool, json).await?,
+        Command::Retry(args) => retry(pool, args, json).await?,
+        Command::Cancel(args) => cancel(pool, args, json).await?,
+        Command::Pause(args) => pause(pool, args, json).await?,
+        Command::Resume { queue } => resume(pool, &queue, json).await?,
         Command::Queues { .. } | Command::Dev(_) | Command::Demo(_) | Command::Work => {}
     }
     Ok(())
@@ -314,11 +335,13 @@ async fn pause(pool: &PgPool, args: PauseArgs, json: bool) -> anyhow::Result<()>
         }
         return Ok(());
     };
-    let done =
-        admin::pause(pool, &queue, args.reason.as_deref()).await.map_err(|error| match error.as_database_error() {
+    let done = admin::pause(pool, &queue, args.reason.as_deref()).await.map_err(|error| {
+        match error.as_database_error().filter(|db| db.code().is_some_and(|code| code.starts_with("23"))) {
+            // A rule of the table (class 23, integrity): the name or the reason.
             Some(db) => anyhow!("cannot pause queue {queue:?}: the database refused it: {}", db.message()),
             None => anyhow!(error).context(format!("cannot pause queue {queue:?}")),
-        })?;
+        }
+    })?;
     let text = if done.already {
         format!("{} (already)", paused_line(&done.queue))
     } else {

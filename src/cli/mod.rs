@@ -96,9 +96,26 @@ pub fn main() {
         .context("cannot start the async runtime")
         .and_then(|runtime| runtime.block_on(run(cli)));
     if let Err(error) = result {
-        eprintln!("rowq: {error:#}");
+        eprintln!("rowq: {}", one_line(&error));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes, each after a colon, skipping a cause that repeats the text before
+/// it (sqlx's database error says its message, then has the server's error, which says it again).
+fn one_line(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
