@@ -474,7 +474,12 @@ async fn a_retry_of_the_failed_jobs_of_a_kind_leaves_other_kinds_and_names_those
         [plain, held, holder, older, newer, other_kind, other_queue, before].into_iter().map(pending).collect();
     assert_eq!(states, expected);
 
-    // The rest, said in words: the two still held stay failed.
+    // The rest, said in words: the two still held stay failed. A dry run says it in the conditional.
+    let dry = stdout(&rowq(&pool, &["retry", "--all-failed", "--dry-run"]));
+    assert!(
+        dry.starts_with("dry run, nothing changed: 3 failed jobs would go back to pending; 2 would be left failed"),
+        "{dry}"
+    );
     let text = stdout(&rowq(&pool, &["retry", "--all-failed"]));
     let said = format!(
         "3 failed jobs back to pending; 2 left failed, as another job holds their dedup_key: {held} (held by {holder}), \

@@ -245,8 +245,9 @@ async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()>
             let named: Vec<String> =
                 done.left_failed.iter().map(|left| format!("{} (held by {})", left.id.0, left.held_by.0)).collect();
             text += &format!(
-                "; {} left failed, as another job holds their dedup_key: {}",
+                "; {} {} failed, as another job holds their dedup_key: {}",
                 done.left_failed.len(),
+                if args.dry_run { "would be left" } else { "left" },
                 named.join(", ")
             );
         }
