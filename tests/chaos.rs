@@ -182,7 +182,7 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
     let started = Instant::now();
     let mut faults = Faults::default();
     let mut spawned = settings.schedulers + settings.runners;
-    // Rows claimed while the queue was paused, after a moment for a claim already running.
+    // Rows claimed while the queue was paused, after a second for a claim already running.
     let mut claimed_while_paused = 0;
     // The first seven faults are one of each kind, so even a small run injects them all.
     let mut tick = 0;
@@ -232,7 +232,8 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
                 sqlx::query("INSERT INTO rowq.paused_queues (queue, reason) VALUES ('default', 'chaos')")
                     .execute(&pool)
                     .await?;
-                tokio::time::sleep(Duration::from_millis(250)).await;
+                // A claim that began before the pause committed may still end: a generous moment.
+                tokio::time::sleep(Duration::from_secs(1)).await;
                 let before = claims().fetch_one(&pool).await?;
                 let paused = Duration::from_millis(rng.random_range(500..1500));
                 tokio::time::sleep(paused).await;
