@@ -383,6 +383,15 @@ impl<P: Publisher> Scheduler<P> {
     /// through the notification channel ([`maintenance::run_once`]). With `once`, the first
     /// maintenance runs before the first claim, so what it rescues goes out in this run.
     pub async fn run_until(&self, shutdown: watch::Receiver<bool>, once: bool, stop_at: Option<Instant>) -> RunTotals {
+        // What an operator checks first when dispatch looks slow: the limits it runs under.
+        tracing::info!(
+            queue = %self.config.queue,
+            claim_batch = self.config.claim_batch,
+            max_in_flight = self.config.max_in_flight,
+            max_dispatch_rate = %self.config.max_dispatch_rate.map_or_else(|| "none".to_string(), |rate| format!("{rate}/s")),
+            once,
+            "scheduler started"
+        );
         let (stopped, dispatch_stopped) = watch::channel(false);
         if once {
             self.maintain().await;

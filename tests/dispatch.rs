@@ -653,6 +653,7 @@ async fn a_paused_queue_is_claimed_from_by_no_scheduler_until_it_is_resumed() {
 #[tokio::test]
 async fn a_dispatch_rate_holds_a_backlog_to_it_and_all_of_it_goes() {
     let pool = common::database().await;
+    let (captured, _logging) = Captured::logs(tracing::Level::INFO);
     let ids = common::enqueue_many(&pool, "noop", 150).await;
     let mut config = common::scheduler_config(MEMORY_URL);
     config.max_dispatch_rate = Some(100);
@@ -667,6 +668,9 @@ async fn a_dispatch_rate_holds_a_backlog_to_it_and_all_of_it_goes() {
     let mut sent = sent_ids(&scheduler);
     sent.sort_unstable();
     assert_eq!(sent, ids);
+    let logged = captured.text();
+    let started = logged.lines().find(|line| line.contains("scheduler started")).unwrap_or_default();
+    assert!(started.contains("max_dispatch_rate=100/s"), "the limit it runs under, in its log: {logged}");
 }
 
 /// A running scheduler whose queue is paused says so in its log, once however often it is
