@@ -102,18 +102,23 @@ pub fn main() {
 }
 
 /// The error and its causes, each after a colon, skipping a cause that repeats the text before
-/// it (sqlx's database error says its message, then has the server's error, which says it again).
+/// it. A database error ends the line with the server's message alone: sqlx's error has the
+/// server's as its source, which says the message again with the line of Postgres's own C
+/// source it was raised at (`… at line 3665`), nothing a user can act on.
 fn one_line(error: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in error.chain() {
-        let text = cause.to_string();
-        if line.ends_with(&text) {
-            continue;
+        let database = cause.downcast_ref::<sqlx::Error>().and_then(sqlx::Error::as_database_error);
+        let text = database.map_or_else(|| cause.to_string(), |db| db.message().to_string());
+        if !line.ends_with(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
         }
-        if !line.is_empty() {
-            line.push_str(": ");
+        if database.is_some() {
+            break;
         }
-        line.push_str(&text);
     }
     line
 }
