@@ -259,17 +259,13 @@ impl<P: Publisher> Scheduler<P> {
 
     /// One claim, on the listener's connection when there is one, which it hands back, with
     /// the rows it was allowed to take: a batch, or fewer under `ROWQ_MAX_DISPATCH_RATE`. Allowed
-    /// none, it reads nothing.
+    /// none, it still runs (`LIMIT 0`), so that what it reports, the pause included, is read.
     async fn claim<'l>(
         &self,
         listener: Option<&'l mut PgListener>,
     ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>, u32) {
         let (queue, cap, lease) = (&self.config.queue, self.config.max_in_flight, self.config.dispatch_lease);
         let batch = self.rate.as_ref().map_or(self.config.claim_batch, |rate| rate.take(self.config.claim_batch));
-        if batch == 0 {
-            let none = Claim { jobs: Vec::new(), in_flight_before: 0, next_due: None, paused: false };
-            return (listener, Ok(none), 0);
-        }
         let (listener, claim) = match listener {
             Some(listener) => {
                 let claim = store::dispatch::claim_due_within(&mut *listener, queue, batch, cap, lease).await;
@@ -436,8 +432,7 @@ impl<P: Publisher> Scheduler<P> {
             totals.claimed += report.claimed as u64;
             totals.published += report.published as u64;
             totals.released += report.released as u64;
-            // A claim the rate allowed no row read nothing, the pause included.
-            if error.is_none() && !report.rate_limited && report.paused != paused {
+            if error.is_none() && report.paused != paused {
                 paused = report.paused;
                 log_pause(&self.config.queue, paused);
             }

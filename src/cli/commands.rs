@@ -213,7 +213,7 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
         group_key: args.group_key,
         dedup_key: args.dedup_key.clone(),
     };
-    match admin::enqueue(pool, &job).await.map_err(refused)? {
+    match admin::enqueue(pool, &job).await.map_err(|error| refused(error, "cannot enqueue"))? {
         Some(id) => say(json, &serde_json::json!({"id": id, "enqueued": true}), &format!("enqueued job {id}")),
         None => say(
             json,
@@ -224,11 +224,17 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
     Ok(())
 }
 
-/// A database refusal (CHECK, unique) as one line that names the rule.
-fn refused(error: sqlx::Error) -> anyhow::Error {
-    match error.as_database_error() {
-        Some(db) => anyhow!("the database refused the job: {}", db.message()),
-        None => anyhow!(error).context("cannot enqueue"),
+/// A refusal by one of the database's rules (class 23: a check, a unique index) as one line,
+/// `what` then the rule's message, which names it; any other error keeps its cause after
+/// `what`, so that [`behind_schema`] can still find a missing table in it.
+fn refused(error: sqlx::Error, what: &str) -> anyhow::Error {
+    const INTEGRITY_CONSTRAINT_VIOLATION: &str = "23";
+    let rule = error
+        .as_database_error()
+        .filter(|db| db.code().is_some_and(|code| code.starts_with(INTEGRITY_CONSTRAINT_VIOLATION)));
+    match rule {
+        Some(db) => anyhow!("{what}: the database refused it: {}", db.message()),
+        None => anyhow!(error).context(what.to_string()),
     }
 }
 
@@ -336,13 +342,9 @@ async fn pause(pool: &PgPool, args: PauseArgs, json: bool) -> anyhow::Result<()>
         }
         return Ok(());
     };
-    let done = admin::pause(pool, &queue, args.reason.as_deref()).await.map_err(|error| {
-        match error.as_database_error().filter(|db| db.code().is_some_and(|code| code.starts_with("23"))) {
-            // A rule of the table (class 23, integrity): the name or the reason.
-            Some(db) => anyhow!("cannot pause queue {queue:?}: the database refused it: {}", db.message()),
-            None => anyhow!(error).context(format!("cannot pause queue {queue:?}")),
-        }
-    })?;
+    let done = admin::pause(pool, &queue, args.reason.as_deref())
+        .await
+        .map_err(|error| refused(error, &format!("cannot pause queue {queue:?}")))?;
     let text = if done.already {
         format!("{} (already)", paused_line(&done.queue))
     } else {
@@ -382,15 +384,9 @@ fn paused_line(paused: &admin::PausedQueue) -> String {
     )
 }
 
-/// How long ago `at` was, in the largest whole unit: `40 s`, `3 min`, `5 h`, `2 d`.
+/// How long ago `at` was, as the cleanup warning says how long a transaction has been open.
 fn since(at: DateTime<Utc>) -> String {
-    let secs = (Utc::now() - at).num_seconds().max(0);
-    match secs {
-        0..60 => format!("{secs} s"),
-        60..3600 => format!("{} min", secs / 60),
-        3600..86_400 => format!("{} h", secs / 3600),
-        _ => format!("{} d", secs / 86_400),
-    }
+    store::maintenance::span((Utc::now() - at).num_milliseconds() as f64 / 1000.0)
 }
 
 async fn stats(pool: &PgPool, json: bool) -> anyhow::Result<()> {

@@ -183,7 +183,7 @@ impl std::fmt::Display for CleanupHolder {
 }
 
 /// `45 s`, `7 min 12 s`, `3 h 20 min`.
-fn span(secs: f64) -> String {
+pub(crate) fn span(secs: f64) -> String {
     let secs = secs.max(0.0).round() as u64;
     match secs {
         0..60 => format!("{secs} s"),
