@@ -580,3 +580,91 @@ async fn pause_and_resume_a_queue_from_the_command_line_and_find_it_in_stats() {
     assert!(message.contains("paused_queues_reason_is_1_to_1000_characters"), "{message}");
     assert_eq!(json_of(&pool, &["pause"]), json!([]), "a refused pause pauses nothing");
 }
+
+/// `rowq ARGS` run without blocking the test's runtime, which drives the pipeline the command
+/// waits for.
+async fn rowq_beside(pool: &PgPool, args: &[&str]) -> Output {
+    let mut command = tokio::process::Command::from(command(env!("CARGO_BIN_EXE_rowq"), pool));
+    command.args(args).output().await.expect("run rowq")
+}
+
+/// [`json_of`] without blocking the test's runtime: while the pipeline runs in it, a blocked
+/// runtime can hold a job's row locked, and an enqueue of the same dedup_key waits for it.
+async fn json_beside(pool: &PgPool, args: &[&str]) -> Value {
+    let output = rowq_beside(pool, &[args, &["--json"]].concat()).await;
+    assert!(output.status.success(), "rowq {args:?} failed: {}", stderr(&output));
+    serde_json::from_str(&stdout(&output)).unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(&output)))
+}
+
+/// The last line of stderr: the error `rowq` exits with, after the progress of a wait.
+fn last_line(output: &Output) -> String {
+    stderr(output).trim().lines().last().unwrap_or_default().to_string()
+}
+
+#[tokio::test]
+async fn a_wait_ends_with_the_job_and_its_exit_code_says_how_it_ended() {
+    let pool = common::database().await;
+    // No scheduler serves `nobody`: the wait runs out, and says so with its own exit code.
+    let output = rowq_beside(&pool, &["enqueue", "echo", "--queue", "nobody", "--wait", "--timeout", "1"]).await;
+    assert_eq!(output.status.code(), Some(124), "{}", stderr(&output));
+    let id = stderr(&output).lines().next().and_then(|line| line.strip_prefix("enqueued job ")).unwrap().to_string();
+    assert!(stderr(&output).contains(&format!("job {id} pending\n")), "{}", stderr(&output));
+    assert_eq!(
+        last_line(&output),
+        format!("rowq: job {id} is still pending after 1 s: it goes on; `rowq wait` again or `rowq status`")
+    );
+    assert!(stdout(&output).starts_with(&format!("job {id}  pending  (echo in queue nobody)")), "{}", stdout(&output));
+    let cancelled = rowq_beside(&pool, &["cancel", &id]).await;
+    assert!(cancelled.status.success(), "{}", stderr(&cancelled));
+    let output = rowq_beside(&pool, &["wait", &id]).await;
+    assert_eq!((output.status.code(), last_line(&output)), (Some(1), format!("rowq: job {id} was cancelled")));
+    let output = rowq_beside(&pool, &["wait", "999999"]).await;
+    assert_eq!((output.status.code(), last_line(&output)), (Some(1), "rowq: job 999999 does not exist".into()));
+
+    // A paused queue: the wait says why nothing happens.
+    assert!(rowq_beside(&pool, &["pause", "default", "--reason", "deploy"]).await.status.success());
+    let output = rowq_beside(&pool, &["enqueue", "noop", "--wait", "--timeout", "1"]).await;
+    assert_eq!(output.status.code(), Some(124), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains(" (deploy): job ") && stderr(&output).contains(" waits until `rowq resume default`"),
+        "{}",
+        stderr(&output)
+    );
+
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let worker = Worker::new(pool.clone(), Registry::builtin(), common::worker_config());
+    let pipeline =
+        Pipeline::start(pool.clone(), client, worker, common::pipeline_config(&queues, 2, false)).await.unwrap();
+    assert!(rowq_beside(&pool, &["resume", "default"]).await.status.success());
+
+    let output = rowq_beside(&pool, &["enqueue", "echo", r#"{"n":1}"#, "--wait", "--json"]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let row: Value = serde_json::from_str(&stdout(&output)).expect("--json prints the finished job, alone");
+    assert_eq!((&row["state"], &row["result"]), (&json!("succeeded"), &json!({"n": 1})), "{row}");
+
+    let output = rowq_beside(&pool, &["enqueue", "fail", r#"{"times":5}"#, "--max-attempts", "2", "--wait"]).await;
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let line = last_line(&output);
+    assert!(line.starts_with("rowq: job ") && line.contains(" failed after 2 of 2 attempts: "), "{line}");
+    assert!(stdout(&output).contains("  failed  (fail in queue default)"), "{}", stdout(&output));
+
+    // An enqueue that its dedup_key made a no-op waits for the job that holds the key.
+    let holder = json_beside(&pool, &["enqueue", "sleep", r#"{"ms":3000}"#, "--dedup-key", "nightly"]).await;
+    let holder = holder["id"].as_i64().unwrap();
+    let output = rowq_beside(&pool, &["enqueue", "sleep", "--dedup-key", "nightly", "--wait"]).await;
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let progress = stderr(&output);
+    assert!(
+        progress.starts_with(&format!(
+            "not enqueued: job {holder}, unfinished, has dedup_key \"nightly\": waiting for it\n"
+        )),
+        "{progress}"
+    );
+    assert!(progress.contains(&format!("job {holder} running (attempt 1 of 5)\n")), "{progress}");
+    assert!(progress.ends_with(&format!("job {holder} succeeded\n")), "{progress}");
+    let without_wait = json_beside(&pool, &["enqueue", "sleep", r#"{"ms":3000}"#, "--dedup-key", "nightly"]).await;
+    let again = json_beside(&pool, &["enqueue", "sleep", "--dedup-key", "nightly"]).await;
+    assert_eq!(again, json!({"id": null, "enqueued": false, "held_by": without_wait["id"]}));
+    pipeline.stop().await;
+}

@@ -40,6 +40,22 @@ pub struct EnqueueArgs {
     /// A second enqueue with this key is a no-op while the first is unfinished.
     #[arg(long)]
     dedup_key: Option<String>,
+    /// Wait until the job is finished, as `rowq wait` does (an enqueue that --dedup-key made a
+    /// no-op waits for the job that holds the key).
+    #[arg(long)]
+    wait: bool,
+    /// With --wait: give up after this many seconds (exit 124); the job goes on.
+    #[arg(long, requires = "wait")]
+    timeout: Option<u64>,
+}
+
+#[derive(Args)]
+pub struct WaitArgs {
+    /// The job id.
+    id: i64,
+    /// Give up after this many seconds (exit 124); the job goes on. Default: no limit.
+    #[arg(long)]
+    timeout: Option<u64>,
 }
 
 #[derive(Args)]
@@ -146,6 +162,7 @@ async fn operate(pool: &PgPool, json: bool, command: Command) -> anyhow::Result<
                 print_row(&row);
             }
         }
+        Command::Wait(args) => wait(pool, JobId(args.id), args.timeout, json).await?,
         Command::List(args) => {
             let filter = admin::ListFilter { state: args.state, kind: args.kind, queue: args.queue, limit: args.limit };
             let rows = admin::list(pool, &filter).await.context("cannot list jobs")?;
@@ -213,15 +230,133 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
         group_key: args.group_key,
         dedup_key: args.dedup_key.clone(),
     };
-    match admin::enqueue(pool, &job).await.map_err(|error| refused(error, "cannot enqueue"))? {
-        Some(id) => say(json, &serde_json::json!({"id": id, "enqueued": true}), &format!("enqueued job {id}")),
-        None => say(
-            json,
-            &serde_json::json!({"id": null, "enqueued": false}),
-            &format!("not enqueued: an unfinished job already has dedup_key {:?}", args.dedup_key.unwrap_or_default()),
+    let id = match admin::enqueue(pool, &job).await.map_err(|error| refused(error, "cannot enqueue"))? {
+        Some(id) if !args.wait => {
+            say(json, &serde_json::json!({"id": id, "enqueued": true}), &format!("enqueued job {id}"));
+            return Ok(());
+        }
+        Some(id) => {
+            // stdout is the finished job's: this line there would make --json two documents.
+            eprintln!("enqueued job {id}");
+            id
+        }
+        None => {
+            let key = args.dedup_key.unwrap_or_default();
+            let holder = admin::dedup_holder(pool, &key).await.context("cannot read the job that holds the key")?;
+            let text = match holder {
+                Some(holder) => format!("not enqueued: job {holder}, unfinished, has dedup_key {key:?}"),
+                None => format!("not enqueued: an unfinished job had dedup_key {key:?} (it has finished since)"),
+            };
+            match (args.wait, holder) {
+                (false, _) => {
+                    say(json, &serde_json::json!({"id": null, "enqueued": false, "held_by": holder}), &text);
+                    return Ok(());
+                }
+                (true, Some(holder)) => {
+                    eprintln!("{text}: waiting for it");
+                    holder
+                }
+                (true, None) => bail!("{text}: enqueue again"),
+            }
+        }
+    };
+    wait(pool, id, args.timeout, json).await
+}
+
+/// A wait whose timeout passed before its job finished: `rowq` exits with [`TIMED_OUT`], as
+/// `timeout(1)` does, so that a script can tell it from a job that failed (1).
+#[derive(Debug)]
+struct StillUnfinished(String);
+
+impl std::fmt::Display for StillUnfinished {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for StillUnfinished {}
+
+const TIMED_OUT: i32 = 124;
+
+/// The exit code of a command that failed with `error`: 1, or [`TIMED_OUT`] for a wait.
+pub fn exit_code(error: &anyhow::Error) -> i32 {
+    if error.is::<StillUnfinished>() { TIMED_OUT } else { 1 }
+}
+
+/// Waits for job `id` to finish, telling each state it is seen in on stderr (text only), then
+/// prints it as `status` does. A job that did not succeed is an error naming why.
+async fn wait(pool: &PgPool, id: JobId, timeout: Option<u64>, json: bool) -> anyhow::Result<()> {
+    let timeout = timeout.map(Duration::from_secs);
+    if !json {
+        warn_if_paused(pool, id).await?;
+    }
+    let waited = admin::wait_finished(pool, id, timeout, |row| {
+        if !json {
+            eprintln!("job {id} {}", progress(row));
+        }
+    })
+    .await
+    .context("cannot read the job")?;
+    let row = match waited {
+        admin::Waited::Missing => bail!("job {id} does not exist"),
+        admin::Waited::Finished(row) | admin::Waited::Unfinished(row) => row,
+    };
+    if json {
+        print_json(&row);
+    } else {
+        print_row(&row);
+    }
+    match row.state {
+        JobState::Succeeded => Ok(()),
+        JobState::Failed => bail!(
+            "job {id} failed after {} of {} attempts: {}",
+            row.attempts,
+            row.max_attempts,
+            row.last_error.as_deref().unwrap_or("no error recorded")
         ),
+        JobState::Cancelled => bail!("job {id} was cancelled"),
+        _ => Err(StillUnfinished(format!(
+            "job {id} is still {} after {} s: {}",
+            row.state,
+            timeout.unwrap_or_default().as_secs(),
+            "it goes on; `rowq wait` again or `rowq status`"
+        ))
+        .into()),
+    }
+}
+
+/// Says so on stderr when job `id` waits in a paused queue: nothing claims it until a resume.
+async fn warn_if_paused(pool: &PgPool, id: JobId) -> anyhow::Result<()> {
+    let Some(row) = admin::get(pool, id).await.context("cannot read the job")? else {
+        return Ok(()); // the wait says it does not exist
+    };
+    if row.state != JobState::Pending {
+        return Ok(());
+    }
+    let paused = admin::paused_queues(pool).await.context("cannot read the paused queues")?;
+    if let Some(paused) = paused.iter().find(|paused| paused.queue == row.queue) {
+        let reason = paused.reason.as_deref().map(|reason| format!(" ({reason})")).unwrap_or_default();
+        eprintln!(
+            "queue {} is paused since {}{reason}: job {id} waits until `rowq resume {}`",
+            paused.queue,
+            paused.paused_at.to_rfc3339(),
+            paused.queue
+        );
     }
     Ok(())
+}
+
+/// A line for the state `row` is seen in while waiting for it.
+fn progress(row: &admin::JobRow) -> String {
+    let attempt = format!("attempt {} of {}", row.attempts, row.max_attempts);
+    match (row.state, &row.last_error) {
+        (JobState::Running, _) => format!("running ({attempt})"),
+        (JobState::Pending, Some(error)) if row.attempts > 0 => {
+            format!("pending: {attempt} failed ({error}); retry at {}", row.run_at.to_rfc3339())
+        }
+        (JobState::Pending, _) if row.run_at > Utc::now() => format!("pending until {}", row.run_at.to_rfc3339()),
+        (state, _) => state.to_string(),
+    }
 }
 
 /// A refusal by one of the database's rules (class 23: a check, a unique index) as one line,

@@ -34,6 +34,9 @@ enum Command {
         /// The job id.
         id: i64,
     },
+    /// Wait until a job is finished, then show it as `status` does; exit 0 if it succeeded, 1
+    /// if it failed or was cancelled, 124 if the timeout passed first.
+    Wait(commands::WaitArgs),
     /// List jobs, newest first.
     List(commands::ListArgs),
     /// Counts by queue and state, oldest pending age, throughput over the last minute.
@@ -97,7 +100,7 @@ pub fn main() {
         .and_then(|runtime| runtime.block_on(run(cli)));
     if let Err(error) = result {
         eprintln!("rowq: {}", one_line(&error));
-        std::process::exit(1);
+        std::process::exit(commands::exit_code(&error));
     }
 }
 

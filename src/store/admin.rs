@@ -109,6 +109,69 @@ pub async fn get(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error
     sqlx::query_as("SELECT * FROM rowq.jobs WHERE id = $1").bind(id).fetch_optional(pool).await
 }
 
+/// The unfinished job that holds `dedup_key`: the one an enqueue with that key was a no-op
+/// for. `None`: no unfinished job holds it (it finished since, or never existed).
+pub async fn dedup_holder(pool: &PgPool, dedup_key: &str) -> Result<Option<JobId>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT id FROM rowq.jobs WHERE dedup_key = $1 AND state IN ('pending', 'dispatched', 'running')",
+    )
+    .bind(dedup_key)
+    .fetch_optional(pool)
+    .await
+}
+
+/// How [`wait_finished`] ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Waited {
+    /// The job is succeeded, failed or cancelled.
+    Finished(JobRow),
+    /// The timeout passed first: the row as last read.
+    Unfinished(JobRow),
+    /// No such job: never enqueued, or deleted (by retention) before it was read finished.
+    Missing,
+}
+
+/// The first pause of [`wait_finished`] between two reads; each next one is twice as long, up
+/// to [`WAIT_MAX_POLL`]: a job that takes a few milliseconds is seen finished within a few
+/// more, one that takes minutes costs two primary-key reads a second.
+pub const WAIT_FIRST_POLL: Duration = Duration::from_millis(10);
+pub const WAIT_MAX_POLL: Duration = Duration::from_millis(500);
+
+/// Reads job `id` until it is finished or `timeout` has passed (`None`: no limit), and calls
+/// `seen` with the first row read and with every one whose state or attempts changed. A read
+/// of its primary key each time; nothing is written, nothing is listened for. For a client that
+/// enqueued a job and needs its outcome: `rowq wait`, `rowq enqueue --wait`.
+pub async fn wait_finished(
+    pool: &PgPool,
+    id: JobId,
+    timeout: Option<Duration>,
+    mut seen: impl FnMut(&JobRow),
+) -> Result<Waited, sqlx::Error> {
+    let deadline = timeout.map(|timeout| tokio::time::Instant::now() + timeout);
+    let mut pause = WAIT_FIRST_POLL;
+    let mut last = None;
+    loop {
+        let Some(row) = get(pool, id).await? else {
+            return Ok(Waited::Missing);
+        };
+        if last != Some((row.state, row.attempts)) {
+            last = Some((row.state, row.attempts));
+            seen(&row);
+        }
+        if row.state.is_terminal() {
+            return Ok(Waited::Finished(row));
+        }
+        let now = tokio::time::Instant::now();
+        let sleep = match deadline {
+            Some(deadline) if deadline <= now => return Ok(Waited::Unfinished(row)),
+            Some(deadline) => pause.min(deadline - now),
+            None => pause,
+        };
+        tokio::time::sleep(sleep).await;
+        pause = (pause * 2).min(WAIT_MAX_POLL);
+    }
+}
+
 /// Filters for [`list`]; `None` matches everything.
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
