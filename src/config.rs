@@ -225,8 +225,8 @@ pub struct SchedulerConfig {
     /// A dispatched row not fenced by a worker within this is rescued.
     pub dispatch_lease: Duration,
     pub maintenance_interval: Duration,
-    /// Finished rows older than this are deleted; zero keeps them forever.
-    pub retention: Duration,
+    /// Finished rows older than this are deleted (failed ones by their own); zero keeps them.
+    pub retention: crate::maintenance::Retention,
     /// Run for at most this long, then exit (scheduled-Lambda mode); `None` runs until stopped.
     pub drain_for: Option<Duration>,
     /// Warn (every this long) while a transaction open for this long holds back the cleanup of
@@ -260,14 +260,21 @@ impl SchedulerConfig {
                 DEFAULT_MAINTENANCE_INTERVAL_SECS,
                 1..=3600,
             )?,
-            retention: Duration::from_secs(
-                env.number("ROWQ_RETENTION_HOURS", DEFAULT_RETENTION_HOURS, 0..=24 * 3650)? * 3600,
-            ),
+            retention: retention(env)?,
             drain_for: env.secs_or_off("ROWQ_DRAIN_SECS", 0, 0..=MAX_FUNCTION_TIMEOUT_SECS * 100)?,
             cleanup_warn_after: env.secs_or_off("ROWQ_CLEANUP_WARN_SECS", DEFAULT_CLEANUP_WARN_SECS, 0..=7 * 86_400)?,
             metrics_namespace: metrics_namespace(env)?,
         })
     }
+}
+
+/// `ROWQ_RETENTION_HOURS` and `ROWQ_FAILED_RETENTION_HOURS`, which is the first unless set.
+fn retention(env: &Env<'_>) -> Result<crate::maintenance::Retention, ConfigError> {
+    const MAX_HOURS: u64 = 24 * 3650;
+    let done = env.number("ROWQ_RETENTION_HOURS", DEFAULT_RETENTION_HOURS, 0..=MAX_HOURS)?;
+    let failed = env.number("ROWQ_FAILED_RETENTION_HOURS", done, 0..=MAX_HOURS)?;
+    let hours = |hours: u64| Duration::from_secs(hours * 3600);
+    Ok(crate::maintenance::Retention { done: hours(done), failed: hours(failed) })
 }
 
 /// `ROWQ_QUEUE`: the `queue` column value a scheduler serves (and a worker's metrics name).
@@ -430,9 +437,22 @@ mod tests {
         assert_eq!(config.poll_interval, Duration::from_millis(DEFAULT_POLL_INTERVAL_MS));
         assert_eq!(config.drain_for, None);
         assert_eq!(config.cleanup_warn_after, Some(Duration::from_secs(DEFAULT_CLEANUP_WARN_SECS)));
-        assert_eq!(config.retention, Duration::from_secs(DEFAULT_RETENTION_HOURS * 3600));
+        assert_eq!(config.retention, Duration::from_secs(DEFAULT_RETENTION_HOURS * 3600).into());
         assert_eq!(config.metrics_namespace, None);
         assert_eq!(config.max_dispatch_rate, None);
+    }
+
+    #[test]
+    fn failed_rows_are_kept_as_long_as_the_others_unless_set_apart() {
+        let hours = |hours: u64| Duration::from_secs(hours * 3600);
+        let retention = |settings: &[(&str, &str)]| scheduler(&[&[DB, QUEUE], settings].concat()).unwrap().retention;
+        assert_eq!(retention(&[("ROWQ_RETENTION_HOURS", "24")]), hours(24).into());
+        let apart = retention(&[("ROWQ_RETENTION_HOURS", "24"), ("ROWQ_FAILED_RETENTION_HOURS", "720")]);
+        assert_eq!((apart.done, apart.failed), (hours(24), hours(720)));
+        let kept = retention(&[("ROWQ_FAILED_RETENTION_HOURS", "0")]);
+        assert_eq!((kept.done, kept.failed), (hours(DEFAULT_RETENTION_HOURS), Duration::ZERO));
+        let error = scheduler(&[DB, QUEUE, ("ROWQ_FAILED_RETENTION_HOURS", "a month")]).unwrap_err().to_string();
+        assert!(error.contains("ROWQ_FAILED_RETENTION_HOURS"), "{error}");
     }
 
     #[test]

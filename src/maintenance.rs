@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use crate::job::JobState;
-use crate::store::maintenance::{self as store, RESCUE_BATCH, Rescued};
+use crate::store::maintenance::{self as store, Finished, RESCUE_BATCH, Rescued};
 
 /// Delay before a job rescued from a dead worker is claimed again.
 pub const RESCUE_RETRY_DELAY: Duration = Duration::from_secs(1);
@@ -56,11 +56,33 @@ impl MaintenanceReport {
     }
 }
 
-/// One pass: rescue lost dispatches, rescue dead workers' jobs, prune by `retention`
-/// (zero keeps finished rows forever). Rows rescued to `pending`, and a group's next job once
+/// How long finished rows are kept before maintenance deletes them; zero keeps them forever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// Succeeded and cancelled rows (`ROWQ_RETENTION_HOURS`).
+    pub done: Duration,
+    /// Failed rows (`ROWQ_FAILED_RETENTION_HOURS`): what an operator may still have to read,
+    /// or retry once the cause is fixed, so often kept longer.
+    pub failed: Duration,
+}
+
+impl Retention {
+    /// Nothing is ever deleted.
+    pub const FOREVER: Retention = Retention { done: Duration::ZERO, failed: Duration::ZERO };
+}
+
+/// The same retention for every finished row.
+impl From<Duration> for Retention {
+    fn from(retention: Duration) -> Self {
+        Retention { done: retention, failed: retention }
+    }
+}
+
+/// One pass: rescue lost dispatches, rescue dead workers' jobs, prune by `retention`. Rows rescued to `pending`, and a group's next job once
 /// a rescue failed its head, send no notification of their own, so a rescue that made either
 /// wakes the schedulers ([`crate::store::wake_schedulers`]) as an insert does.
-pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceReport, sqlx::Error> {
+pub async fn run_once(pool: &PgPool, retention: impl Into<Retention>) -> Result<MaintenanceReport, sqlx::Error> {
+    let retention = retention.into();
     let mut report = MaintenanceReport::default();
     let mut wake = false;
     // Each kind runs until a statement moves less than a full batch, or MAX_ROUNDS have run;
@@ -86,9 +108,12 @@ pub async fn run_once(pool: &PgPool, retention: Duration) -> Result<MaintenanceR
     if wake {
         crate::store::wake_schedulers(pool, "rescued").await?;
     }
-    if !retention.is_zero() {
+    for (which, kept) in [(Finished::Done, retention.done), (Finished::Failed, retention.failed)] {
+        if kept.is_zero() {
+            continue;
+        }
         for round in 1..=MAX_ROUNDS {
-            let pruned = store::prune_finished(pool, retention).await?;
+            let pruned = store::prune_finished(pool, which, kept).await?;
             report.pruned += pruned;
             if pruned < store::PRUNE_BATCH as u64 {
                 break;

@@ -499,7 +499,7 @@ async fn a_long_maintenance_pass_does_not_hold_up_dispatch() {
         .await
         .unwrap();
     let mut config = common::scheduler_config(MEMORY_URL);
-    config.retention = Duration::from_secs(3600);
+    config.retention = Duration::from_secs(3600).into();
     config.poll_interval = Duration::from_secs(600);
     let (scheduler, stop, running) = spawn_run(Scheduler::new(pool.clone(), MemoryPublisher::new(), config), false);
     common::eventually(Duration::from_secs(30), "the prune to wait for the test's lock", || {
@@ -784,6 +784,43 @@ async fn finished_rows_older_than_the_retention_are_pruned_and_others_kept() {
     assert!(admin::get(&pool, waiting).await.unwrap().is_some());
 }
 
+/// Failed rows by their own retention: longer than the others', or forever.
+#[tokio::test]
+async fn failed_rows_are_pruned_by_their_own_retention() {
+    let pool = common::database().await;
+    let mut finished = Vec::new();
+    for (state, age) in
+        [("succeeded", "2 hours"), ("cancelled", "2 hours"), ("failed", "2 hours"), ("failed", "3 days")]
+    {
+        let id = common::enqueue(&pool, "noop", json!({})).await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE rowq.jobs SET state = '{state}', finished_at = now() - interval '{age}' WHERE id = $1"
+        )))
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+        finished.push(id);
+    }
+    let kept = |ids: Vec<JobId>| {
+        let pool = pool.clone();
+        async move {
+            let mut kept = Vec::new();
+            for id in ids {
+                kept.push(admin::get(&pool, id).await.unwrap().is_some());
+            }
+            kept
+        }
+    };
+    let hour = Duration::from_secs(3600);
+    let forever = maintenance::Retention { done: hour, failed: Duration::ZERO };
+    assert_eq!(maintenance::run_once(&pool, forever).await.unwrap().pruned, 2);
+    assert_eq!(kept(finished.clone()).await, [false, false, true, true], "failed rows kept forever");
+    let a_day = maintenance::Retention { done: hour, failed: hour * 24 };
+    assert_eq!(maintenance::run_once(&pool, a_day).await.unwrap().pruned, 1);
+    assert_eq!(kept(finished.clone()).await, [false, false, true, false], "failed rows kept a day");
+}
+
 /// One pass prunes at most 10 statements of 5,000 rows. A pass that stops there is followed by
 /// the next at once, not after `maintenance_interval`: otherwise pruning has a ceiling
 /// (10,000 rows a second at the default 5 s) that a busy queue's finished rows outgrow.
@@ -798,7 +835,7 @@ async fn finished_rows_beyond_one_pass_are_pruned_without_waiting_for_the_next_i
     .await
     .unwrap();
     let mut config = common::scheduler_config(MEMORY_URL);
-    config.retention = Duration::from_secs(3600);
+    config.retention = Duration::from_secs(3600).into();
     config.maintenance_interval = Duration::from_secs(600);
     let (_, stop, running) = spawn_run(Scheduler::new(pool.clone(), MemoryPublisher::new(), config), false);
     common::eventually(Duration::from_secs(30), "every finished row past the retention to be pruned", || {

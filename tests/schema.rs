@@ -208,6 +208,79 @@ async fn the_rules_move_to_domains_without_rewriting_the_table() {
     assert!(error.to_string().contains("jobs_priority_between_minus_1000_and_1000"), "{error}");
 }
 
+/// The indexes of `rowq.jobs` by name.
+async fn job_indexes(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = 'rowq' AND tablename = 'jobs' ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Migrations 5–7 replace the index of finished rows by one per outcome, `CONCURRENTLY`: on a
+/// large table a plain `CREATE INDEX` would hold back every enqueue, claim and finish until it
+/// is built. It still waits for the writers already running, as any index build does; those
+/// that start meanwhile go through.
+#[tokio::test]
+async fn the_index_migrations_hold_back_no_enqueue_while_they_wait_or_build() {
+    let pool = common::database_migrated_to(20261206000004).await;
+    common::enqueue_many(&pool, "noop", 50).await;
+    sqlx::query("UPDATE rowq.jobs SET state = 'failed', finished_at = now() - interval '2 days' WHERE id % 2 = 0")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut writer = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(&mut *writer).await.unwrap();
+    let migrating = tokio::spawn({
+        let pool = pool.clone();
+        async move { store::migrate(&pool).await }
+    });
+    common::eventually(Duration::from_secs(30), "the index build to wait for the open writer", || {
+        let pool = pool.clone();
+        async move {
+            let waiting: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity
+                 WHERE datname = current_database() AND query LIKE '%CREATE INDEX%' AND wait_event_type = 'Lock')",
+            )
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            waiting.then_some(())
+        }
+    })
+    .await;
+    let enqueued = tokio::time::timeout(Duration::from_secs(10), common::enqueue(&pool, "noop", json!({}))).await;
+    assert!(enqueued.is_ok(), "an enqueue waited for the index build");
+    writer.commit().await.unwrap();
+    migrating.await.unwrap().unwrap();
+    let indexes = job_indexes(&pool).await;
+    assert!(
+        indexes.contains(&"jobs_done_idx".to_string()) && indexes.contains(&"jobs_failed_idx".to_string()),
+        "{indexes:?}"
+    );
+    assert!(!indexes.contains(&"jobs_finished_idx".to_string()), "{indexes:?}");
+    assert_eq!(store::invalid_indexes(&pool).await.unwrap(), Vec::<String>::new());
+    let pruned = rowq::maintenance::run_once(&pool, Duration::from_secs(3600)).await.unwrap().pruned;
+    assert_eq!(pruned, 25, "the failed rows finished before the migration are found by the new index");
+}
+
+/// An index build that was interrupted leaves the index invalid, and its migration skips the
+/// existing name when run again: `migrate` rebuilds every invalid index of the schema.
+#[tokio::test]
+async fn migrate_rebuilds_an_index_whose_build_was_interrupted() {
+    let pool = common::database().await;
+    // What a cancelled `CREATE INDEX CONCURRENTLY` leaves behind.
+    sqlx::query("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'rowq.jobs_failed_idx'::regclass")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(store::invalid_indexes(&pool).await.unwrap(), ["rowq.jobs_failed_idx"]);
+    store::migrate(&pool).await.unwrap();
+    assert_eq!(store::invalid_indexes(&pool).await.unwrap(), Vec::<String>::new());
+    assert!(job_indexes(&pool).await.contains(&"jobs_failed_idx".to_string()));
+}
+
 /// `store::MIGRATOR` lists the migrations by hand: it must be what the directory holds, as
 /// `sqlx::migrate!` would have read it, or a new file would never run.
 #[tokio::test]
@@ -220,7 +293,7 @@ async fn the_embedded_migrations_are_the_files_of_the_migrations_directory() {
             .map(|m| (m.version, m.description.to_string(), m.migration_type, m.checksum.to_vec(), m.no_tx))
             .collect()
     };
-    assert_eq!(read.iter().count(), 4, "the directory has the migrations the list is checked against");
+    assert_eq!(read.iter().count(), 7, "the directory has the migrations the list is checked against");
     assert_eq!(summary(&store::MIGRATOR), summary(&read));
 }
 

@@ -96,27 +96,47 @@ pub async fn rescue_running(pool: &PgPool, retry_delay: Duration) -> Result<Vec<
     sqlx::query_as(RESCUE_RUNNING_SQL).bind(RESCUE_BATCH).bind(millis(retry_delay)).fetch_all(pool).await
 }
 
-/// Deletes up to [`PRUNE_BATCH`] finished rows (succeeded, failed, cancelled) that finished
-/// longer than `retention` ago. Returns how many were deleted.
-pub async fn prune_finished(pool: &PgPool, retention: Duration) -> Result<u64, sqlx::Error> {
-    let result = sqlx::query(
-        r#"
-        DELETE FROM rowq.jobs
-        WHERE id = ANY (ARRAY(
-            SELECT id FROM rowq.jobs
-            WHERE state IN ('succeeded', 'failed', 'cancelled')
-              AND finished_at < now() - $1 * interval '1 millisecond'
-            LIMIT $2
-            FOR UPDATE SKIP LOCKED
-        ))
-        "#,
-    )
-    .bind(millis(retention))
-    .bind(PRUNE_BATCH)
-    .execute(pool)
-    .await?;
+/// Which finished rows a prune deletes: each has an index of its own by `finished_at`
+/// (`jobs_done_idx`, `jobs_failed_idx`), so that the prune of one never walks the rows of the
+/// other that are kept longer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// Succeeded and cancelled rows.
+    Done,
+    /// Failed rows.
+    Failed,
+}
+
+/// Deletes up to [`PRUNE_BATCH`] rows of `which` that finished longer than `retention` ago.
+/// Returns how many were deleted.
+pub async fn prune_finished(pool: &PgPool, which: Finished, retention: Duration) -> Result<u64, sqlx::Error> {
+    // Each statement's state test is its index's predicate, written as a constant so that the
+    // generic plan (the scheduler's pool forces them) can use that index.
+    let sql = match which {
+        Finished::Done => PRUNE_DONE_SQL,
+        Finished::Failed => PRUNE_FAILED_SQL,
+    };
+    let result = sqlx::query(sql).bind(millis(retention)).bind(PRUNE_BATCH).execute(pool).await?;
     Ok(result.rows_affected())
 }
+
+macro_rules! prune_sql {
+    ($states:literal) => {
+        concat!(
+            "DELETE FROM rowq.jobs WHERE id = ANY (ARRAY(
+                SELECT id FROM rowq.jobs
+                WHERE state IN (",
+            $states,
+            ") AND finished_at < now() - $1 * interval '1 millisecond'
+                LIMIT $2
+                FOR UPDATE SKIP LOCKED
+            ))"
+        )
+    };
+}
+
+pub const PRUNE_DONE_SQL: &str = prune_sql!("'succeeded', 'cancelled'");
+pub const PRUNE_FAILED_SQL: &str = prune_sql!("'failed'");
 
 /// Something that keeps Postgres from removing dead row versions: an open transaction, a
 /// prepared one, or a replication slot (a standby's `hot_standby_feedback`).

@@ -49,7 +49,15 @@ pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
         MIGRATIONS
             .iter()
             .map(|&(version, description, sql)| {
-                Migration::new(version, description.into(), MigrationType::Simple, SqlStr::from_static(sql), false)
+                // As sqlx's own loader reads the directive: such a file runs outside a transaction.
+                let no_transaction = sql.starts_with("-- no-transaction");
+                Migration::new(
+                    version,
+                    description.into(),
+                    MigrationType::Simple,
+                    SqlStr::from_static(sql),
+                    no_transaction,
+                )
             })
             .collect(),
     )
@@ -62,6 +70,9 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (20261130000002, "checks on write", include_str!("../../migrations/20261130000002_checks_on_write.sql")),
     (20261204000003, "rules as domains", include_str!("../../migrations/20261204000003_rules_as_domains.sql")),
     (20261206000004, "paused queues", include_str!("../../migrations/20261206000004_paused_queues.sql")),
+    (20261206000005, "failed rows index", include_str!("../../migrations/20261206000005_failed_rows_index.sql")),
+    (20261206000006, "done rows index", include_str!("../../migrations/20261206000006_done_rows_index.sql")),
+    (20261206000007, "drop finished index", include_str!("../../migrations/20261206000007_drop_finished_index.sql")),
 ];
 
 /// The channel the insert trigger notifies (one notification per inserting statement).
@@ -148,9 +159,31 @@ fn pool_options(config: &DatabaseConfig) -> PgPoolOptions {
         })
 }
 
-/// Applies the embedded migrations (idempotent).
+/// Applies the embedded migrations (idempotent), then rebuilds any index of the schema left
+/// invalid by an interrupted build.
+///
+/// An index built `CONCURRENTLY` (migrations 5 and 6) whose build fails or is cancelled stays,
+/// invalid: Postgres keeps it up to date but plans no statement with it. The migration is not
+/// recorded, and its next run skips the existing name (`IF NOT EXISTS`). So each run of this
+/// ends by rebuilding, also concurrently, whatever index of `rowq` is invalid.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    MIGRATOR.run(pool).await
+    MIGRATOR.run(pool).await?;
+    for index in invalid_indexes(pool).await? {
+        tracing::warn!(%index, "rebuilding an index whose build was interrupted");
+        sqlx::query(sqlx::AssertSqlSafe(format!("REINDEX INDEX CONCURRENTLY {index}"))).execute(pool).await?;
+    }
+    Ok(())
+}
+
+/// The indexes of schema `rowq` that Postgres does not plan with, as quoted qualified names.
+pub async fn invalid_indexes(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_index i
+         JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = 'rowq' AND NOT i.indisvalid ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
 }
 
 /// Milliseconds as the `bigint` the SQL statements take for intervals.

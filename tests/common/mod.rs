@@ -166,7 +166,7 @@ pub fn scheduler_config(queue_url: &str) -> SchedulerConfig {
         max_dispatch_rate: None,
         dispatch_lease: Duration::from_secs(300),
         maintenance_interval: Duration::from_secs(1),
-        retention: Duration::ZERO,
+        retention: rowq::maintenance::Retention::FOREVER,
         drain_for: None,
         cleanup_warn_after: None,
         metrics_namespace: None,
