@@ -78,9 +78,10 @@ impl From<Duration> for Retention {
     }
 }
 
-/// One pass: rescue lost dispatches, rescue dead workers' jobs, prune by `retention`. Rows rescued to `pending`, and a group's next job once
-/// a rescue failed its head, send no notification of their own, so a rescue that made either
-/// wakes the schedulers ([`crate::store::wake_schedulers`]) as an insert does.
+/// One pass: rescue lost dispatches, rescue dead workers' jobs, prune by `retention`. Rows
+/// rescued to `pending`, and a group's next job once a rescue failed its head, send no
+/// notification of their own, so a rescue that made either wakes the schedulers
+/// ([`crate::store::wake_schedulers`]) as an insert does.
 pub async fn run_once(pool: &PgPool, retention: impl Into<Retention>) -> Result<MaintenanceReport, sqlx::Error> {
     let retention = retention.into();
     let mut report = MaintenanceReport::default();

@@ -266,7 +266,8 @@ async fn the_index_migrations_hold_back_no_enqueue_while_they_wait_or_build() {
 }
 
 /// An index build that was interrupted leaves the index invalid, and its migration skips the
-/// existing name when run again: `migrate` rebuilds every invalid index of the schema.
+/// existing name when run again: `migrate` rebuilds every invalid index of the schema, and
+/// drops what an interrupted rebuild leaves.
 #[tokio::test]
 async fn migrate_rebuilds_an_index_whose_build_was_interrupted() {
     let pool = common::database().await;
@@ -275,10 +276,18 @@ async fn migrate_rebuilds_an_index_whose_build_was_interrupted() {
         .execute(&pool)
         .await
         .unwrap();
-    assert_eq!(store::invalid_indexes(&pool).await.unwrap(), ["rowq.jobs_failed_idx"]);
+    // What an interrupted `REINDEX CONCURRENTLY` leaves: its new index, invalid.
+    sqlx::query("CREATE INDEX jobs_done_idx_ccnew ON rowq.jobs (finished_at)").execute(&pool).await.unwrap();
+    sqlx::query("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'rowq.jobs_done_idx_ccnew'::regclass")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(store::invalid_indexes(&pool).await.unwrap(), ["rowq.jobs_done_idx_ccnew", "rowq.jobs_failed_idx"]);
     store::migrate(&pool).await.unwrap();
     assert_eq!(store::invalid_indexes(&pool).await.unwrap(), Vec::<String>::new());
-    assert!(job_indexes(&pool).await.contains(&"jobs_failed_idx".to_string()));
+    let indexes = job_indexes(&pool).await;
+    assert!(indexes.contains(&"jobs_failed_idx".to_string()), "rebuilt, not dropped: {indexes:?}");
+    assert!(!indexes.contains(&"jobs_done_idx_ccnew".to_string()), "the leftover is dropped: {indexes:?}");
 }
 
 /// `store::MIGRATOR` lists the migrations by hand: it must be what the directory holds, as

@@ -316,10 +316,9 @@ async fn wait(pool: &PgPool, id: JobId, timeout: Option<u64>, json: bool) -> any
         ),
         JobState::Cancelled => bail!("job {id} was cancelled"),
         _ => Err(StillUnfinished(format!(
-            "job {id} is still {} after {} s: {}",
+            "job {id} is still {} after {} s: it goes on; `rowq wait` again or `rowq status`",
             row.state,
-            timeout.unwrap_or_default().as_secs(),
-            "it goes on; `rowq wait` again or `rowq status`"
+            timeout.unwrap_or_default().as_secs()
         ))
         .into()),
     }

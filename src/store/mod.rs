@@ -159,30 +159,50 @@ fn pool_options(config: &DatabaseConfig) -> PgPoolOptions {
         })
 }
 
-/// Applies the embedded migrations (idempotent), then rebuilds any index of the schema left
+/// Applies the embedded migrations (idempotent), then repairs any index of the schema left
 /// invalid by an interrupted build.
 ///
 /// An index built `CONCURRENTLY` (migrations 5 and 6) whose build fails or is cancelled stays,
 /// invalid: Postgres keeps it up to date but plans no statement with it. The migration is not
 /// recorded, and its next run skips the existing name (`IF NOT EXISTS`). So each run of this
-/// ends by rebuilding, also concurrently, whatever index of `rowq` is invalid.
+/// ends by rebuilding, also concurrently, whatever index of `rowq` is invalid; and by dropping
+/// what an interrupted rebuild leaves (Postgres's `_ccnew` and `_ccold` indexes), as Postgres's
+/// documentation of `REINDEX CONCURRENTLY` says to. One process repairs at a time (an advisory
+/// lock): two schedulers starting together would otherwise rebuild each other's `_ccnew`.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     MIGRATOR.run(pool).await?;
-    for index in invalid_indexes(pool).await? {
-        tracing::warn!(%index, "rebuilding an index whose build was interrupted");
-        sqlx::query(sqlx::AssertSqlSafe(format!("REINDEX INDEX CONCURRENTLY {index}"))).execute(pool).await?;
+    if invalid_indexes(pool).await?.is_empty() {
+        return Ok(()); // as nearly always: no lock taken
     }
+    // A connection of its own, closed at the end: the session's lock goes with it, whatever fails.
+    let mut connection = pool.acquire().await?.detach();
+    sqlx::query("SELECT pg_advisory_lock(hashtext($1))").bind(INDEX_REPAIR_LOCK).execute(&mut connection).await?;
+    for index in invalid_indexes(&mut connection).await? {
+        let base = index.trim_end_matches('"').trim_end_matches(|c: char| c.is_ascii_digit());
+        let statement = if base.ends_with("_ccnew") || base.ends_with("_ccold") {
+            tracing::warn!(%index, "dropping what an interrupted index rebuild left");
+            format!("DROP INDEX CONCURRENTLY IF EXISTS {index}")
+        } else {
+            tracing::warn!(%index, "rebuilding an index whose build was interrupted");
+            format!("REINDEX INDEX CONCURRENTLY {index}")
+        };
+        sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&mut connection).await?;
+    }
+    connection.close().await?;
     Ok(())
 }
 
+/// The advisory lock, by `hashtext`, that [`migrate`] repairs indexes under.
+const INDEX_REPAIR_LOCK: &str = "rowq: index repair";
+
 /// The indexes of schema `rowq` that Postgres does not plan with, as quoted qualified names.
-pub async fn invalid_indexes(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
+pub async fn invalid_indexes<'e>(executor: impl PgExecutor<'e>) -> Result<Vec<String>, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_index i
          JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
          WHERE n.nspname = 'rowq' AND NOT i.indisvalid ORDER BY 1",
     )
-    .fetch_all(pool)
+    .fetch_all(executor)
     .await
 }
 
