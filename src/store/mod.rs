@@ -72,7 +72,6 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (20261206000004, "paused queues", include_str!("../../migrations/20261206000004_paused_queues.sql")),
     (20261206000005, "failed rows index", include_str!("../../migrations/20261206000005_failed_rows_index.sql")),
     (20261206000006, "done rows index", include_str!("../../migrations/20261206000006_done_rows_index.sql")),
-    (20261206000007, "drop finished index", include_str!("../../migrations/20261206000007_drop_finished_index.sql")),
 ];
 
 /// The channel the insert trigger notifies (one notification per inserting statement).
