@@ -38,7 +38,8 @@ pub enum JobState {
     /// Terminal: attempts used up, a permanent error, an unknown kind, or dead-lettered.
     /// Out only by an explicit `rowq retry`.
     Failed,
-    /// Terminal: cancelled while pending or dispatched.
+    /// Terminal: cancelled while pending or dispatched. Out only by an explicit `rowq retry`
+    /// (the undo of a cancel).
     Cancelled,
 }
 

@@ -144,7 +144,7 @@ async fn cancel_and_retry_move_jobs_and_refuse_clearly_when_they_cannot() {
     let message = refusal(&pool, &["cancel", &running]);
     assert!(message.contains("is running (attempt 1): it cannot be cancelled now"), "{message}");
     let message = refusal(&pool, &["retry", &running]);
-    assert!(message.contains("is running: only failed jobs can be retried"), "{message}");
+    assert!(message.contains("is running: only failed or cancelled jobs can be retried"), "{message}");
 
     let failed = json_of(&pool, &["enqueue", "fail", "--dedup-key", "once"])["id"].as_i64().unwrap();
     sqlx::query("UPDATE rowq.jobs SET state = 'failed', attempts = 5, finished_at = now() WHERE id = $1")
@@ -221,7 +221,9 @@ async fn queues_create_is_idempotent_and_prints_the_urls() {
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in ["migrate", "enqueue", "status", "list", "stats", "retry", "cancel", "queues", "dev", "demo", "work"] {
+    for sub in
+        ["migrate", "enqueue", "status", "wait", "list", "stats", "retry", "cancel", "queues", "dev", "demo", "work"]
+    {
         let output = Command::new(env!("CARGO_BIN_EXE_rowq")).args([sub, "--help"]).output().unwrap();
         assert!(output.status.success(), "rowq {sub} --help failed");
         assert!(stdout(&output).contains("Usage: rowq"), "rowq {sub} --help: {}", stdout(&output));
@@ -522,6 +524,27 @@ async fn a_cancel_of_all_of_a_kind_cancels_its_unstarted_jobs_and_nothing_else()
     assert_eq!(text.trim(), "1 pending or dispatched jobs cancelled");
     let message = refusal(&pool, &["cancel", &ids[2].to_string()]);
     assert!(message.contains("is running (attempt 1): it cannot be cancelled now"), "{message}");
+
+    // The undo of a cancel by mistake: the cancelled jobs of the kind and queue go back, attempts
+    // reset, and nothing else moves.
+    let undo = ["retry", "--all-cancelled", "--kind", "spam", "--queue", "default"];
+    let text = stdout(&rowq(&pool, &[&undo[..], &["--dry-run"]].concat()));
+    assert_eq!(text.trim(), "dry run, nothing changed: 2 cancelled jobs would go back to pending");
+    assert_eq!(common::count_in_state(&pool, rowq::JobState::Cancelled).await, 3, "a dry run retried jobs");
+    let done = json_of(&pool, &undo);
+    assert_eq!(done, json!({"retried": ids[..2], "left_cancelled": []}));
+    let rows: Vec<(String, i32)> =
+        sqlx::query_as("SELECT state::text, attempts FROM rowq.jobs ORDER BY id").fetch_all(&pool).await.unwrap();
+    let states: Vec<&str> = rows.iter().map(|(state, _)| state.as_str()).collect();
+    assert_eq!(states, ["pending", "pending", "running", "failed", "cancelled", "pending"]);
+    assert_eq!((rows[0].1, rows[1].1), (0, 0), "attempts reset");
+    let one = json_of(&pool, &["retry", &ids[4].to_string()]);
+    assert_eq!(one["state"], json!("pending"), "{one}");
+    let message = refusal(&pool, &["retry", &ids[5].to_string()]);
+    assert!(message.contains("is pending: only failed or cancelled jobs can be retried"), "{message}");
+    let both = rowq(&pool, &["retry", "--all-failed", "--all-cancelled"]);
+    assert_eq!(both.status.code(), Some(2), "a usage error, as clap reports them");
+    assert!(stderr(&both).contains("cannot be used with"), "{}", stderr(&both));
 }
 
 /// A CLI newer than the database's schema (upgraded before the scheduler, which migrates at

@@ -341,6 +341,26 @@ async fn a_crash_between_claim_and_publish_is_rescued_after_the_lease_and_the_ol
     assert_eq!(current.len(), 1);
 }
 
+/// A job cancelled while its message was on its way, then retried (`rowq retry`, the undo of a
+/// cancel), runs once, by its new generation: the message sent before the cancel matches nothing.
+#[tokio::test]
+async fn a_cancelled_job_retried_runs_by_its_new_generation_never_by_the_message_sent_before() {
+    let pool = common::database().await;
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let before = claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(before[0].dispatch_gen, 1);
+    assert!(admin::cancel(&pool, id).await.unwrap().is_some());
+    let retried = admin::retry(&pool, id).await.unwrap().expect("a cancelled job can be retried");
+    assert_eq!((retried.state, retried.attempts, retried.finished_at), (JobState::Pending, 0, None));
+    let again = claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(again[0].dispatch_gen, 2);
+    let lease = Duration::from_secs(60);
+    let stale = start(&pool, &[StartRequest { id, dispatch_gen: 1, lease }]).await.unwrap();
+    assert!(stale.is_empty(), "the message sent before the cancel started the job");
+    assert_eq!(start(&pool, &[StartRequest { id, dispatch_gen: 2, lease }]).await.unwrap().len(), 1);
+    assert!(admin::retry(&pool, id).await.unwrap().is_none(), "a running job was retried");
+}
+
 #[tokio::test]
 async fn jobs_of_one_group_are_dispatched_one_at_a_time_in_id_order() {
     let pool = common::database().await;

@@ -71,24 +71,29 @@ pub struct ListArgs {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("many").args(["all_failed", "all_cancelled"])))]
 pub struct RetryArgs {
-    /// The job id.
-    #[arg(required_unless_present = "all_failed", conflicts_with = "all_failed")]
+    /// The job id (a failed or a cancelled job).
+    #[arg(required_unless_present = "many", conflicts_with = "many")]
     id: Option<i64>,
     /// Every failed job (of --queue, --kind and --since, each if given). A job whose dedup_key another job
     /// holds stays failed, and is named.
     #[arg(long)]
     all_failed: bool,
-    #[arg(long, requires = "all_failed")]
+    /// Every cancelled job (of --queue, --kind and --since, each if given): the undo of a
+    /// `cancel --all`. A job whose dedup_key another job holds stays cancelled, and is named.
+    #[arg(long)]
+    all_cancelled: bool,
+    #[arg(long, requires = "many")]
     queue: Option<String>,
-    /// Only the failed jobs of this kind: the one whose handler was fixed.
-    #[arg(long, requires = "all_failed")]
+    /// Only the jobs of this kind: the one whose handler was fixed, or that was cancelled by mistake.
+    #[arg(long, requires = "many")]
     kind: Option<String>,
-    /// Only the jobs that failed at or after this time (RFC 3339): since the bad deploy.
-    #[arg(long, requires = "all_failed")]
+    /// Only the jobs that finished (failed, or were cancelled) at or after this time (RFC 3339).
+    #[arg(long, requires = "many")]
     since: Option<DateTime<Utc>>,
-    /// Say what --all-failed would put back and leave, and change nothing.
-    #[arg(long, requires = "all_failed")]
+    /// Say what --all-failed or --all-cancelled would put back and leave, and change nothing.
+    #[arg(long, requires = "many")]
     dry_run: bool,
 }
 
@@ -373,25 +378,35 @@ fn refused(error: sqlx::Error, what: &str) -> anyhow::Error {
 }
 
 async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()> {
-    if args.all_failed {
-        let which = admin::FailedJobs { queue: args.queue.as_deref(), kind: args.kind.as_deref(), since: args.since };
+    if args.all_failed || args.all_cancelled {
+        let of = if args.all_cancelled { admin::RetryOf::Cancelled } else { admin::RetryOf::Failed };
+        let state = of.state();
+        let which =
+            admin::FailedJobs { queue: args.queue.as_deref(), kind: args.kind.as_deref(), since: args.since, of };
         let done = admin::retry_failed(pool, which, bulk(args.dry_run)).await.map_err(|e| retry_refused(e, None))?;
         let mut text = if args.dry_run {
-            format!("dry run, nothing changed: {} failed jobs would go back to pending", done.retried.len())
+            format!("dry run, nothing changed: {} {state} jobs would go back to pending", done.retried.len())
         } else {
-            format!("{} failed jobs back to pending", done.retried.len())
+            format!("{} {state} jobs back to pending", done.retried.len())
         };
         if !done.left_failed.is_empty() {
             let named: Vec<String> =
                 done.left_failed.iter().map(|left| format!("{} (held by {})", left.id.0, left.held_by.0)).collect();
             text += &format!(
-                "; {} {} failed, as another job holds their dedup_key: {}",
+                "; {} {} {state}, as another job holds their dedup_key: {}",
                 done.left_failed.len(),
                 if args.dry_run { "would be left" } else { "left" },
                 named.join(", ")
             );
         }
-        say(json, &with_dry_run(&done, args.dry_run), &text);
+        let mut value = with_dry_run(&done, args.dry_run);
+        // What a retry of cancelled jobs leaves is cancelled: its JSON says so by name.
+        if let (admin::RetryOf::Cancelled, Some(object)) = (of, value.as_object_mut())
+            && let Some(left) = object.remove("left_failed")
+        {
+            object.insert("left_cancelled".into(), left);
+        }
+        say(json, &value, &text);
         return Ok(());
     }
     let id = args.id.unwrap_or_default();
@@ -399,14 +414,15 @@ async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()>
         Some(row) => say(json, &row, &format!("job {id} is pending again (attempts reset)")),
         None => {
             let row = get(pool, id).await?;
-            bail!("job {id} is {}: only failed jobs can be retried", row.state);
+            bail!("job {id} is {}: only failed or cancelled jobs can be retried", row.state);
         }
     }
     Ok(())
 }
 
 /// `id` is the job a retry of one named; `None` for a retry of many, which leaves the jobs whose
-/// key is held failed (`admin::retry_failed`) and is refused only by a job enqueued meanwhile.
+/// key is held as they were (`admin::retry_failed`) and is refused only by a job enqueued
+/// meanwhile.
 fn retry_refused(error: sqlx::Error, id: Option<i64>) -> anyhow::Error {
     let held = error.as_database_error().and_then(|db| db.constraint()) == Some("jobs_dedup_key_unfinished_idx");
     match id {

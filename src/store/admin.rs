@@ -270,16 +270,17 @@ pub async fn cancel_unstarted(
     Ok(rows.into_iter().map(|(id, _)| id).collect())
 }
 
-/// `failed → pending` with attempts reset and `run_at = now()`; the next claim gives it a new
-/// generation, and the schedulers are woken when it commits. `None`: the job is not failed, or
-/// absent. Fails with a unique violation on `jobs_dedup_key_unfinished_idx` when another
-/// unfinished job holds its `dedup_key`.
+/// `failed | cancelled → pending` with attempts reset and `run_at = now()`; the next claim
+/// gives it a new generation (so a message still in SQS from before a cancel matches nothing),
+/// and the schedulers are woken when it commits. `None`: the job is neither failed nor
+/// cancelled, or absent. Fails with a unique violation on `jobs_dedup_key_unfinished_idx` when
+/// another unfinished job holds its `dedup_key`.
 pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
     let mut transaction = pool.begin().await?;
     let row: Option<JobRow> = sqlx::query_as(concat!(
         "UPDATE rowq.jobs ",
         retried_as_new!(),
-        " WHERE id = $1 AND state = 'failed' RETURNING *"
+        " WHERE id = $1 AND state IN ('failed', 'cancelled') RETURNING *"
     ))
     .bind(id)
     .fetch_optional(&mut *transaction)
@@ -288,13 +289,33 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Err
     Ok(row)
 }
 
-/// Which failed jobs [`retry_failed`] puts back: those of `queue`, of `kind` and failed at or
-/// after `since`, each when given.
+/// Which jobs [`retry_failed`] puts back: those in state `of`, of `queue`, of `kind` and
+/// finished at or after `since`, each when given.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FailedJobs<'a> {
     pub queue: Option<&'a str>,
     pub kind: Option<&'a str>,
     pub since: Option<DateTime<Utc>>,
+    pub of: RetryOf,
+}
+
+/// The finished jobs a retry of many puts back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RetryOf {
+    /// Failed jobs: their cause is fixed.
+    #[default]
+    Failed,
+    /// Cancelled jobs: the undo of a cancel (`rowq cancel --all` of the wrong kind).
+    Cancelled,
+}
+
+impl RetryOf {
+    pub fn state(self) -> JobState {
+        match self {
+            RetryOf::Failed => JobState::Failed,
+            RetryOf::Cancelled => JobState::Cancelled,
+        }
+    }
 }
 
 /// What [`retry_failed`] did.
@@ -306,8 +327,8 @@ pub struct RetriedFailed {
     pub left_failed: Vec<LeftFailed>,
 }
 
-/// A failed job that a retry of many left failed: `held_by` holds its `dedup_key`, an
-/// unfinished job or a newer failed one that this retry put back.
+/// A job that a retry of many left failed (or cancelled): `held_by` holds its `dedup_key`, an
+/// unfinished job or a newer one that this retry put back.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct LeftFailed {
     pub id: JobId,
@@ -323,20 +344,20 @@ pub struct LeftFailed {
 /// refuses it (a unique violation on `jobs_dedup_key_unfinished_idx`): run it again.
 ///
 /// With `since`, the failed rows are found through the index of failed rows by `finished_at`
-/// (`jobs_failed_idx`; with the index of all finished rows it replaced: 1.0 ms for the last
-/// hour's 359 of 300,000 finished rows, against 37 ms for a scan of them all, which is what a
-/// retry without `since` reads). 196,000 failed jobs,
-/// 2,000 of them sharing ten keys, went back in 5.9 s.
+/// (`jobs_failed_idx`; with the index of all finished rows: 1.0 ms for the last hour's 359 of
+/// 300,000 finished rows, against 37 ms for a scan of them all, which is what a retry without
+/// `since` reads), the cancelled ones through `jobs_done_idx`. 196,000 failed jobs, 2,000 of
+/// them sharing ten keys, went back in 5.9 s. Cancelled jobs (`which.of`) go back the same way.
 pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>, bulk: Bulk) -> Result<RetriedFailed, sqlx::Error> {
     let mut transaction = pool.begin().await?;
     let rows: Vec<(JobId, Option<JobId>)> = sqlx::query_as(concat!(
         "WITH candidate AS (
             SELECT id, dedup_key FROM rowq.jobs
-            WHERE state = 'failed' AND ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
+            WHERE state = $4 AND ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
               AND ($3::timestamptz IS NULL OR finished_at >= $3)
             FOR UPDATE
         ), holder AS (
-            -- The newest of a key's failed jobs by a window over them, not a scan per job.
+            -- The newest of a key's candidates by a window over them, not a scan per job.
             SELECT c.id, CASE WHEN c.dedup_key IS NOT NULL THEN COALESCE(
                 (SELECT u.id FROM rowq.jobs u
                  WHERE u.dedup_key = c.dedup_key AND u.state IN ('pending', 'dispatched', 'running')),
@@ -357,6 +378,7 @@ pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>, bulk: Bulk) -> R
     .bind(which.queue)
     .bind(which.kind)
     .bind(which.since)
+    .bind(which.of.state())
     .fetch_all(&mut *transaction)
     .await?;
     let mut done = RetriedFailed::default();
