@@ -78,10 +78,14 @@ fn stderr(output: &Output) -> String {
 fn json_of(pool: &PgPool, args: &[&str]) -> Value {
     let mut all = args.to_vec();
     all.push("--json");
-    let output = rowq(pool, &all);
-    assert!(output.status.success(), "rowq {args:?} failed: {}", stderr(&output));
-    serde_json::from_str(&stdout(&output))
-        .unwrap_or_else(|e| panic!("rowq {args:?} --json is not JSON ({e}): {}", stdout(&output)))
+    parsed(args, &rowq(pool, &all))
+}
+
+/// The JSON a successful `rowq ARGS --json` printed.
+fn parsed(args: &[&str], output: &Output) -> Value {
+    assert!(output.status.success(), "rowq {args:?} failed: {}", stderr(output));
+    serde_json::from_str(&stdout(output))
+        .unwrap_or_else(|e| panic!("rowq {args:?} --json is not JSON ({e}): {}", stdout(output)))
 }
 
 /// Runs `rowq ARGS`, expects exit code 1 and one clear line on stderr.
@@ -614,9 +618,7 @@ async fn rowq_beside(pool: &PgPool, args: &[&str]) -> Output {
 /// [`json_of`] without blocking the test's runtime: while the pipeline runs in it, a blocked
 /// runtime can hold a job's row locked, and an enqueue of the same dedup_key waits for it.
 async fn json_beside(pool: &PgPool, args: &[&str]) -> Value {
-    let output = rowq_beside(pool, &[args, &["--json"]].concat()).await;
-    assert!(output.status.success(), "rowq {args:?} failed: {}", stderr(&output));
-    serde_json::from_str(&stdout(&output)).unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(&output)))
+    parsed(args, &rowq_beside(pool, &[args, &["--json"]].concat()).await)
 }
 
 /// The last line of stderr: the error `rowq` exits with, after the progress of a wait.

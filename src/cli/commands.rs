@@ -331,14 +331,8 @@ async fn wait(pool: &PgPool, id: JobId, timeout: Option<u64>, json: bool) -> any
 
 /// Says so on stderr when job `id` waits in a paused queue: nothing claims it until a resume.
 async fn warn_if_paused(pool: &PgPool, id: JobId) -> anyhow::Result<()> {
-    let Some(row) = admin::get(pool, id).await.context("cannot read the job")? else {
-        return Ok(()); // the wait says it does not exist
-    };
-    if row.state != JobState::Pending {
-        return Ok(());
-    }
-    let paused = admin::paused_queues(pool).await.context("cannot read the paused queues")?;
-    if let Some(paused) = paused.iter().find(|paused| paused.queue == row.queue) {
+    let paused = admin::pause_holding(pool, id).await.context("cannot read the job's queue")?;
+    if let Some(paused) = paused {
         let reason = paused.reason.as_deref().map(|reason| format!(" ({reason})")).unwrap_or_default();
         eprintln!(
             "queue {} is paused since {}{reason}: job {id} waits until `rowq resume {}`",

@@ -439,6 +439,18 @@ pub async fn resume(pool: &PgPool, queue: &str) -> Result<Option<PausedQueue>, s
         .await
 }
 
+/// The pause of the queue job `id` waits in, when the job is `pending` and its queue paused:
+/// nothing claims it until a resume. `None` otherwise, or when there is no such job.
+pub async fn pause_holding(pool: &PgPool, id: JobId) -> Result<Option<PausedQueue>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT p.queue::text, p.paused_at, p.reason FROM rowq.jobs j JOIN rowq.paused_queues p ON p.queue = j.queue
+         WHERE j.id = $1 AND j.state = 'pending'",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+}
+
 /// The paused queues, the longest paused first.
 pub async fn paused_queues(pool: &PgPool) -> Result<Vec<PausedQueue>, sqlx::Error> {
     sqlx::query_as("SELECT queue::text, paused_at, reason FROM rowq.paused_queues ORDER BY paused_at, queue")
