@@ -551,6 +551,77 @@ async fn a_cancel_of_all_of_a_kind_cancels_its_unstarted_jobs_and_nothing_else()
     assert!(stderr(&both).contains("cannot be used with"), "{}", stderr(&both));
 }
 
+/// `rowq discard` deletes failed or cancelled jobs: one by its id, or many by `--all-failed` or
+/// `--all-cancelled` with a retry's filters and `--before`, a dry run first. It refuses a job
+/// that is unfinished or succeeded, saying why, and every row it does not name stays as it was.
+#[tokio::test]
+async fn a_discard_deletes_the_failed_or_cancelled_jobs_it_names_and_nothing_else() {
+    let pool = common::database().await;
+    // A job of `kind` in `queue` and `state`, finished `hours_ago` (when finished).
+    let insert = |kind: &'static str, queue: &'static str, state: &'static str, hours_ago: Option<i32>| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "INSERT INTO rowq.jobs (kind, queue, state, dispatch_gen, attempts, finished_at)
+                 VALUES ($1, $2, $3::rowq.job_state, 1, 1, now() - $4 * interval '1 hour') RETURNING id",
+            )
+            .bind(kind)
+            .bind(queue)
+            .bind(state)
+            .bind(hours_ago)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let old_failed = insert("resize", "default", "failed", Some(30)).await;
+    let recent_failed = insert("resize", "default", "failed", Some(1)).await;
+    let other_queue = insert("resize", "bulk", "failed", Some(30)).await;
+    let other_kind = insert("email", "default", "failed", Some(30)).await;
+    let cancelled = insert("resize", "default", "cancelled", Some(30)).await;
+    let succeeded = insert("resize", "default", "succeeded", Some(30)).await;
+    let pending = insert("resize", "default", "pending", None).await;
+    let running = insert("resize", "default", "running", None).await;
+    let ids = || sqlx::query_scalar::<_, i64>("SELECT id FROM rowq.jobs ORDER BY id").fetch_all(&pool);
+    let all = ids().await.unwrap();
+
+    // The failed jobs of a kind and queue that failed over a day ago: a dry run counts them and
+    // deletes nothing, then the discard deletes exactly those.
+    let day_ago = (chrono::Utc::now() - chrono::Duration::days(1)).to_rfc3339();
+    let filters = ["discard", "--all-failed", "--kind", "resize", "--queue", "default", "--before", &day_ago];
+    let text = stdout(&rowq(&pool, &[&filters[..], &["--dry-run"]].concat()));
+    assert_eq!(text.trim(), "dry run, nothing changed: 1 failed jobs would be deleted");
+    assert_eq!(ids().await.unwrap(), all, "a dry run deleted rows");
+    let done = json_of(&pool, &filters);
+    assert_eq!(done, json!({"discarded": [old_failed]}));
+
+    // Cancelled jobs, by --since: the failed ones of the same time stay.
+    let two_days_ago = (chrono::Utc::now() - chrono::Duration::days(2)).to_rfc3339();
+    let done = json_of(&pool, &["discard", "--all-cancelled", "--since", &two_days_ago]);
+    assert_eq!(done, json!({"discarded": [cancelled]}));
+
+    // One by its id; the unfinished and the succeeded are refused, each saying why.
+    let text = stdout(&rowq(&pool, &["discard", &other_kind.to_string()]));
+    assert_eq!(text.trim(), format!("job {other_kind} (email, failed) deleted"));
+    let message = refusal(&pool, &["discard", &succeeded.to_string()]);
+    assert!(message.contains("is succeeded: only failed or cancelled jobs can be discarded (a succeeded"), "{message}");
+    let message = refusal(&pool, &["discard", &pending.to_string()]);
+    assert!(
+        message.contains("is pending: only failed or cancelled jobs can be discarded (cancel it first"),
+        "{message}"
+    );
+    let message = refusal(&pool, &["discard", &running.to_string()]);
+    assert!(message.contains(&format!("job {running} is running: only failed or cancelled")), "{message}");
+    let message = refusal(&pool, &["discard", "999999"]);
+    assert!(message.contains("job 999999 does not exist"), "{message}");
+    assert_eq!(ids().await.unwrap(), [recent_failed, other_queue, succeeded, pending, running]);
+
+    for usage in [&["discard"][..], &["discard", "1", "--all-failed"], &["discard", "--kind", "resize"]] {
+        let output = rowq(&pool, usage);
+        assert_eq!(output.status.code(), Some(2), "{usage:?}: a usage error, as clap reports them");
+    }
+}
+
 /// A CLI newer than the database's schema (upgraded before the scheduler, which migrates at
 /// start) says to migrate when a command needs what the schema lacks; what it does not need
 /// still works, and after `rowq migrate` so does the rest.

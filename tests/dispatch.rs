@@ -614,7 +614,7 @@ async fn a_retried_job_is_dispatched_without_waiting_for_the_poll() {
     assert!(admin::retry(&pool, one).await.unwrap().is_some());
     wait_dispatched(&pool, one, "a job retried by id to be dispatched").await;
     assert_eq!(
-        admin::retry_failed(&pool, admin::FailedJobs::default(), admin::Bulk::Apply).await.unwrap().retried,
+        admin::retry_many(&pool, admin::FinishedJobs::default(), admin::Bulk::Apply).await.unwrap().retried,
         vec![all]
     );
     wait_dispatched(&pool, all, "the jobs of a retry of all failed ones to be dispatched").await;

@@ -70,31 +70,67 @@ pub struct ListArgs {
     limit: i64,
 }
 
+/// Which failed or cancelled jobs a retry or a discard of many takes.
 #[derive(Args)]
 #[command(group(clap::ArgGroup::new("many").args(["all_failed", "all_cancelled"])))]
-pub struct RetryArgs {
-    /// The job id (a failed or a cancelled job).
-    #[arg(required_unless_present = "many", conflicts_with = "many")]
-    id: Option<i64>,
-    /// Every failed job (of --queue, --kind and --since, each if given). A job whose dedup_key another job
-    /// holds stays failed, and is named.
+pub struct FinishedArgs {
+    /// Every failed job (of --queue, --kind, --since and --before, each if given).
     #[arg(long)]
     all_failed: bool,
-    /// Every cancelled job (of --queue, --kind and --since, each if given): the undo of a
-    /// `cancel --all`. A job whose dedup_key another job holds stays cancelled, and is named.
+    /// Every cancelled job (of --queue, --kind, --since and --before, each if given).
     #[arg(long)]
     all_cancelled: bool,
+    /// Only the jobs of this queue.
     #[arg(long, requires = "many")]
     queue: Option<String>,
-    /// Only the jobs of this kind: the one whose handler was fixed, or that was cancelled by mistake.
+    /// Only the jobs of this kind: say, the one whose handler was fixed, or was cancelled by mistake.
     #[arg(long, requires = "many")]
     kind: Option<String>,
     /// Only the jobs that finished (failed, or were cancelled) at or after this time (RFC 3339).
     #[arg(long, requires = "many")]
     since: Option<DateTime<Utc>>,
-    /// Say what --all-failed or --all-cancelled would put back and leave, and change nothing.
+    /// Only the jobs that finished before this time (RFC 3339).
+    #[arg(long, requires = "many")]
+    before: Option<DateTime<Utc>>,
+    /// Say what --all-failed or --all-cancelled would do, and change nothing.
     #[arg(long, requires = "many")]
     dry_run: bool,
+}
+
+impl FinishedArgs {
+    /// The jobs of a retry or a discard of many; `None` for one job by its id.
+    fn many(&self) -> Option<admin::FinishedJobs<'_>> {
+        let of = match (self.all_failed, self.all_cancelled) {
+            (true, _) => admin::EndedAs::Failed,
+            (_, true) => admin::EndedAs::Cancelled,
+            _ => return None,
+        };
+        Some(admin::FinishedJobs {
+            queue: self.queue.as_deref(),
+            kind: self.kind.as_deref(),
+            since: self.since,
+            before: self.before,
+            of,
+        })
+    }
+}
+
+#[derive(Args)]
+pub struct RetryArgs {
+    /// The job id (a failed or a cancelled job).
+    #[arg(required_unless_present = "many", conflicts_with = "many")]
+    id: Option<i64>,
+    #[command(flatten)]
+    which: FinishedArgs,
+}
+
+#[derive(Args)]
+pub struct DiscardArgs {
+    /// The job id (a failed or a cancelled job).
+    #[arg(required_unless_present = "many", conflicts_with = "many")]
+    id: Option<i64>,
+    #[command(flatten)]
+    which: FinishedArgs,
 }
 
 #[derive(Args)]
@@ -179,6 +215,7 @@ async fn operate(pool: &PgPool, json: bool, command: Command) -> anyhow::Result<
         }
         Command::Stats => stats(pool, json).await?,
         Command::Retry(args) => retry(pool, args, json).await?,
+        Command::Discard(args) => discard(pool, args, json).await?,
         Command::Cancel(args) => cancel(pool, args, json).await?,
         Command::Pause(args) => pause(pool, args, json).await?,
         Command::Resume { queue } => resume(pool, &queue, json).await?,
@@ -372,35 +409,30 @@ fn refused(error: sqlx::Error, what: &str) -> anyhow::Error {
 }
 
 async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()> {
-    if args.all_failed || args.all_cancelled {
-        let of = if args.all_cancelled { admin::RetryOf::Cancelled } else { admin::RetryOf::Failed };
-        let state = of.state();
-        let which =
-            admin::FailedJobs { queue: args.queue.as_deref(), kind: args.kind.as_deref(), since: args.since, of };
-        let done = admin::retry_failed(pool, which, bulk(args.dry_run)).await.map_err(|e| retry_refused(e, None))?;
-        let mut text = if args.dry_run {
+    let dry_run = args.which.dry_run;
+    if let Some(which) = args.which.many() {
+        let state = which.of.state();
+        let done = admin::retry_many(pool, which, bulk(dry_run)).await.map_err(|e| retry_refused(e, None))?;
+        let mut text = if dry_run {
             format!("dry run, nothing changed: {} {state} jobs would go back to pending", done.retried.len())
         } else {
             format!("{} {state} jobs back to pending", done.retried.len())
         };
-        if !done.left_failed.is_empty() {
+        if !done.left.is_empty() {
             let named: Vec<String> =
-                done.left_failed.iter().map(|left| format!("{} (held by {})", left.id.0, left.held_by.0)).collect();
+                done.left.iter().map(|left| format!("{} (held by {})", left.id.0, left.held_by.0)).collect();
             text += &format!(
                 "; {} {} {state}, as another job holds their dedup_key: {}",
-                done.left_failed.len(),
-                if args.dry_run { "would be left" } else { "left" },
+                done.left.len(),
+                if dry_run { "would be left" } else { "left" },
                 named.join(", ")
             );
         }
-        let mut value = with_dry_run(&done, args.dry_run);
-        // What a retry of cancelled jobs leaves is cancelled: its JSON says so by name.
-        if let (admin::RetryOf::Cancelled, Some(object)) = (of, value.as_object_mut())
-            && let Some(left) = object.remove("left_failed")
-        {
-            object.insert("left_cancelled".into(), left);
-        }
-        say(json, &value, &text);
+        // What a retry leaves is as it was, failed or cancelled: its JSON key says which.
+        let mut value = serde_json::Map::new();
+        value.insert("retried".into(), serde_json::json!(done.retried));
+        value.insert(format!("left_{state}"), serde_json::json!(done.left));
+        say(json, &with_dry_run(&value, dry_run), &text);
         return Ok(());
     }
     let id = args.id.unwrap_or_default();
@@ -414,8 +446,37 @@ async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()>
     Ok(())
 }
 
+async fn discard(pool: &PgPool, args: DiscardArgs, json: bool) -> anyhow::Result<()> {
+    let dry_run = args.which.dry_run;
+    if let Some(which) = args.which.many() {
+        let state = which.of.state();
+        let ids = admin::discard_many(pool, which, bulk(dry_run)).await.context("cannot discard")?;
+        let text = if dry_run {
+            format!("dry run, nothing changed: {} {state} jobs would be deleted", ids.len())
+        } else {
+            format!("{} {state} jobs deleted", ids.len())
+        };
+        say(json, &with_dry_run(&serde_json::json!({ "discarded": ids }), dry_run), &text);
+        return Ok(());
+    }
+    let id = args.id.unwrap_or_default();
+    match admin::discard(pool, JobId(id)).await.context("cannot discard")? {
+        Some(row) => say(json, &row, &format!("job {id} ({}, {}) deleted", row.kind, row.state)),
+        None => {
+            let row = get(pool, id).await?;
+            let why = match row.state {
+                JobState::Succeeded => " (a succeeded row goes after ROWQ_RETENTION_HOURS)",
+                JobState::Pending | JobState::Dispatched => " (cancel it first if it must not run)",
+                _ => "",
+            };
+            bail!("job {id} is {}: only failed or cancelled jobs can be discarded{why}", row.state);
+        }
+    }
+    Ok(())
+}
+
 /// `id` is the job a retry of one named; `None` for a retry of many, which leaves the jobs whose
-/// key is held as they were (`admin::retry_failed`) and is refused only by a job enqueued
+/// key is held as they were (`admin::retry_many`) and is refused only by a job enqueued
 /// meanwhile.
 fn retry_refused(error: sqlx::Error, id: Option<i64>) -> anyhow::Error {
     let held = error.as_database_error().and_then(|db| db.constraint()) == Some("jobs_dedup_key_unfinished_idx");

@@ -41,8 +41,12 @@ enum Command {
     List(commands::ListArgs),
     /// Counts by queue and state, oldest pending age, throughput over the last minute.
     Stats,
-    /// Put failed jobs back to pending, with attempts reset.
+    /// Put failed or cancelled jobs back to pending, with attempts reset. Of many, a job whose
+    /// dedup_key another job holds is left as it was, and named.
     Retry(commands::RetryArgs),
+    /// Delete failed or cancelled jobs (their rows and error history): the failures read and
+    /// not to be retried, where ROWQ_FAILED_RETENTION_HOURS keeps them.
+    Discard(commands::DiscardArgs),
     /// Cancel a pending or dispatched job, or all of them of a kind or a queue.
     Cancel(commands::CancelArgs),
     /// Pause a queue: no scheduler claims its jobs until it is resumed. Jobs are still

@@ -1,4 +1,4 @@
-//! Operator transitions and reads: enqueue, get, list, cancel, retry, pause and resume, stats,
+//! Operator transitions and reads: enqueue, get, list, cancel, retry, discard, pause and resume, stats,
 //! and the gauges the scheduler reports as metrics.
 
 use std::time::Duration;
@@ -213,7 +213,7 @@ macro_rules! cancel_unstarted_rows {
 }
 
 /// What a retry sets on a failed row: pending and due now, attempts and outcome reset. One text
-/// for [`retry`] and [`retry_failed`].
+/// for [`retry`] and [`retry_many`].
 macro_rules! retried_as_new {
     () => {
         "SET state = 'pending', attempts = 0, run_at = now(), finished_at = NULL, result = NULL,
@@ -289,73 +289,93 @@ pub async fn retry(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Err
     Ok(row)
 }
 
-/// Which jobs [`retry_failed`] puts back: those in state `of`, of `queue`, of `kind` and
-/// finished at or after `since`, each when given.
+/// Which finished jobs a retry or a discard of many takes ([`retry_many`], [`discard_many`]):
+/// those in state `of`, of `queue`, of `kind`, finished at or after `since` and before
+/// `before`, each when given.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct FailedJobs<'a> {
+pub struct FinishedJobs<'a> {
     pub queue: Option<&'a str>,
     pub kind: Option<&'a str>,
     pub since: Option<DateTime<Utc>>,
-    pub of: RetryOf,
+    pub before: Option<DateTime<Utc>>,
+    pub of: EndedAs,
 }
 
-/// The finished jobs a retry of many puts back.
+/// How the jobs a retry or a discard of many takes ended.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum RetryOf {
-    /// Failed jobs: their cause is fixed.
+pub enum EndedAs {
+    /// Failed jobs: to retry once their cause is fixed, or to discard once read.
     #[default]
     Failed,
-    /// Cancelled jobs: the undo of a cancel (`rowq cancel --all` of the wrong kind).
+    /// Cancelled jobs: a retry is the undo of a cancel (`rowq cancel --all` of the wrong kind).
     Cancelled,
 }
 
-impl RetryOf {
+impl EndedAs {
     pub fn state(self) -> JobState {
         match self {
-            RetryOf::Failed => JobState::Failed,
-            RetryOf::Cancelled => JobState::Cancelled,
+            EndedAs::Failed => JobState::Failed,
+            EndedAs::Cancelled => JobState::Cancelled,
         }
     }
 }
 
-/// What [`retry_failed`] did.
+/// The rows of [`FinishedJobs`], its fields bound by [`bind_finished`] as `$1`..`$5`. The state
+/// and `finished_at` tests are those of the index of each outcome (`jobs_failed_idx`,
+/// `jobs_done_idx`), so `since` and `before` read a range of it.
+macro_rules! finished_jobs_where {
+    () => {
+        "state = $1 AND ($2::text IS NULL OR queue = $2) AND ($3::text IS NULL OR kind = $3)
+          AND ($4::timestamptz IS NULL OR finished_at >= $4) AND ($5::timestamptz IS NULL OR finished_at < $5)"
+    };
+}
+
+fn bind_finished<'q, O>(
+    query: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    which: FinishedJobs<'q>,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+    query.bind(which.of.state()).bind(which.queue).bind(which.kind).bind(which.since).bind(which.before)
+}
+
+/// What [`retry_many`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct RetriedFailed {
+pub struct Retried {
     /// The jobs back to pending, by id.
     pub retried: Vec<JobId>,
-    /// The jobs left failed because another job holds their `dedup_key`, by id.
-    pub left_failed: Vec<LeftFailed>,
+    /// The jobs left as they were (failed or cancelled) because another job holds their
+    /// `dedup_key`, by id.
+    pub left: Vec<LeftHeld>,
 }
 
 /// A job that a retry of many left failed (or cancelled): `held_by` holds its `dedup_key`, an
 /// unfinished job or a newer one that this retry put back.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct LeftFailed {
+pub struct LeftHeld {
     pub id: JobId,
     pub held_by: JobId,
 }
 
-/// [`retry`] for every failed job `which` selects, in one transaction, waking the schedulers.
+/// [`retry`] for every job `which` selects, in one transaction, waking the schedulers.
 ///
 /// Only one unfinished job may hold a `dedup_key`, so a retry of many does not put back a job
-/// whose key another holds: an unfinished job, or a newer failed job of the same key, which is
-/// put back instead (its payload is the latest). Those stay failed, and are named, rather than
-/// one of them refusing the whole retry. A job enqueued with such a key while this runs still
-/// refuses it (a unique violation on `jobs_dedup_key_unfinished_idx`): run it again.
+/// whose key another holds: an unfinished job, or a newer job of the same key among those
+/// retried, which is put back instead (its payload is the latest). Those stay as they were, and
+/// are named, rather than one of them refusing the whole retry. A job enqueued with such a key
+/// while this runs still refuses it (a unique violation on `jobs_dedup_key_unfinished_idx`):
+/// run it again.
 ///
 /// With `since`, the failed rows are found through the index of failed rows by `finished_at`
 /// (`jobs_failed_idx`; with the index of all finished rows: 1.0 ms for the last hour's 359 of
 /// 300,000 finished rows, against 37 ms for a scan of them all, which is what a retry without
 /// `since` reads), the cancelled ones through `jobs_done_idx`. 196,000 failed jobs, 2,000 of
-/// them sharing ten keys, went back in 5.9 s. Cancelled jobs (`which.of`) go back the same way.
-pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>, bulk: Bulk) -> Result<RetriedFailed, sqlx::Error> {
+/// them sharing ten keys, went back in 5.9 s.
+pub async fn retry_many(pool: &PgPool, which: FinishedJobs<'_>, bulk: Bulk) -> Result<Retried, sqlx::Error> {
     let mut transaction = pool.begin().await?;
-    let rows: Vec<(JobId, Option<JobId>)> = sqlx::query_as(concat!(
+    let query = sqlx::query_as(concat!(
         "WITH candidate AS (
-            SELECT id, dedup_key FROM rowq.jobs
-            WHERE state = $4 AND ($1::text IS NULL OR queue = $1) AND ($2::text IS NULL OR kind = $2)
-              AND ($3::timestamptz IS NULL OR finished_at >= $3)
-            FOR UPDATE
+            SELECT id, dedup_key FROM rowq.jobs WHERE ",
+        finished_jobs_where!(),
+        " FOR UPDATE
         ), holder AS (
             -- The newest of a key's candidates by a window over them, not a scan per job.
             SELECT c.id, CASE WHEN c.dedup_key IS NOT NULL THEN COALESCE(
@@ -374,22 +394,45 @@ pub async fn retry_failed(pool: &PgPool, which: FailedJobs<'_>, bulk: Bulk) -> R
         SELECT h.id, CASE WHEN m.id IS NULL THEN h.held_by END
         FROM holder h LEFT JOIN moved m ON m.id = h.id
         ORDER BY h.id"
-    ))
-    .bind(which.queue)
-    .bind(which.kind)
-    .bind(which.since)
-    .bind(which.of.state())
-    .fetch_all(&mut *transaction)
-    .await?;
-    let mut done = RetriedFailed::default();
+    ));
+    let rows: Vec<(JobId, Option<JobId>)> = bind_finished(query, which).fetch_all(&mut *transaction).await?;
+    let mut done = Retried::default();
     for (id, held_by) in rows {
         match held_by {
             None => done.retried.push(id),
-            Some(held_by) => done.left_failed.push(LeftFailed { id, held_by }),
+            Some(held_by) => done.left.push(LeftHeld { id, held_by }),
         }
     }
     end_bulk(transaction, bulk, (!done.retried.is_empty()).then_some("retried")).await?;
     Ok(done)
+}
+
+/// Deletes a failed or cancelled job: its row, payload and error history, which nothing can
+/// bring back. `None`: the job is not failed or cancelled (a succeeded row goes by retention;
+/// an unfinished one must be cancelled first), or absent. Nothing else waits on a finished row.
+pub async fn discard(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
+    sqlx::query_as("DELETE FROM rowq.jobs WHERE id = $1 AND state IN ('failed', 'cancelled') RETURNING *")
+        .bind(id)
+        .fetch_optional(pool)
+        .await
+}
+
+/// [`discard`] for every job `which` selects, in one statement; returns their ids, in order.
+/// With `ROWQ_FAILED_RETENTION_HOURS=0` (failed rows kept until handled) this is how the
+/// failures an operator has read and will not retry go. 200,000 failed jobs of a kind among
+/// 400,000 (rows without payloads) went in 0.7 s. With `since` or `before` the rows are found
+/// through the index of their outcome (`EXPLAIN`: a bitmap scan of `jobs_failed_idx` or
+/// `jobs_done_idx`, a range of `finished_at`).
+pub async fn discard_many(pool: &PgPool, which: FinishedJobs<'_>, bulk: Bulk) -> Result<Vec<JobId>, sqlx::Error> {
+    let mut transaction = pool.begin().await?;
+    let query = sqlx::query_as(concat!(
+        "WITH gone AS (DELETE FROM rowq.jobs WHERE ",
+        finished_jobs_where!(),
+        " RETURNING id) SELECT id FROM gone ORDER BY id"
+    ));
+    let rows: Vec<(JobId,)> = bind_finished(query, which).fetch_all(&mut *transaction).await?;
+    end_bulk(transaction, bulk, None).await?;
+    Ok(rows.into_iter().map(|(id,)| id).collect())
 }
 
 /// A paused queue: its schedulers claim nothing from it until it is resumed.
