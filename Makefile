@@ -134,7 +134,7 @@ check: ## fmt + clippy only
 	cargo clippy --all-targets --locked -- -D warnings
 
 .PHONY: localstack-up
-localstack-up: ## start LocalStack (SQS) on 127.0.0.1:4566, installing it on first use
+localstack-up: ## start LocalStack (SQS, Secrets Manager) on 127.0.0.1:4566, installing it on first use
 	$(LOCALSTACK) up
 
 .PHONY: localstack-down

@@ -622,6 +622,78 @@ async fn a_discard_deletes_the_failed_or_cancelled_jobs_it_names_and_nothing_els
     }
 }
 
+/// With no URL given, an operator's `rowq` and the scheduler read the database URL from the
+/// secret `ROWQ_DATABASE_SECRET_ARN` names (here the JSON RDS writes for a managed secret, in
+/// LocalStack's Secrets Manager), so that no password is copied into a shell; a secret that
+/// cannot be read, or a value that is no ARN, is one clear line naming it.
+#[tokio::test]
+async fn the_cli_and_the_scheduler_read_the_database_url_from_a_secret() {
+    let pool = common::database().await;
+    let sqs = common::sqs().await;
+    let queues = common::queues(&sqs, 3, Duration::from_secs(30)).await;
+    let aws = rowq::sqs::aws_config()
+        .endpoint_url(common::endpoint())
+        .region(aws_sdk_sqs::config::Region::new("us-east-1"))
+        .credentials_provider(aws_sdk_sqs::config::Credentials::new("test", "test", None, None, "rowq-tests"))
+        .load()
+        .await;
+    let secrets = aws_sdk_secretsmanager::Client::new(&aws);
+    let options = pool.connect_options();
+    let database = options.get_database().expect("a test pool names its database");
+    let rds_secret = json!({
+        "engine": "postgres", "username": options.get_username(), "password": "trust auth takes any",
+        "host": options.get_host(), "port": options.get_port(), "dbname": database,
+    });
+    let arn = secrets
+        .create_secret()
+        .name(format!("rowq-test/{database}"))
+        .secret_string(rds_secret.to_string())
+        .send()
+        .await
+        .expect("create the secret")
+        .arn
+        .expect("a created secret has an ARN");
+    let by_secret = |binary: &str, arn: &str| {
+        let mut command = command(binary, &pool);
+        command.env_remove("DATABASE_URL").env("ROWQ_DATABASE_SECRET_ARN", arn);
+        command
+    };
+
+    let output = by_secret(env!("CARGO_BIN_EXE_rowq"), &arn)
+        .args(["enqueue", "echo", r#"{"via":"secret"}"#, "--json"])
+        .output()
+        .unwrap();
+    let id = parsed(&["enqueue"], &output)["id"].as_i64().expect("the enqueued job's id");
+    let job = common::job(&pool, rowq::JobId(id)).await;
+    assert_eq!((job.kind.as_str(), &job.payload), ("echo", &json!({"via": "secret"})));
+
+    let output = by_secret(env!("CARGO_BIN_EXE_scheduler"), &arn)
+        .arg("--once")
+        .env("ROWQ_QUEUE_URL", &queues.queue_url)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "scheduler --once by the secret failed: {}", stderr(&output));
+    assert_eq!(common::job(&pool, rowq::JobId(id)).await.state, rowq::JobState::Dispatched);
+
+    let missing = arn.replace("rowq-test/", "rowq-test/missing-");
+    for (arn, said) in
+        [(missing.as_str(), "cannot read the database secret arn:"), ("rowq-db", "ROWQ_DATABASE_SECRET_ARN")]
+    {
+        let output = by_secret(env!("CARGO_BIN_EXE_rowq"), arn).arg("stats").output().unwrap();
+        assert_eq!(output.status.code(), Some(1), "rowq stats by the secret {arn} should fail");
+        let message = stderr(&output);
+        assert_eq!(message.trim().lines().count(), 1, "not one line: {message}");
+        assert!(message.contains(said), "{message}");
+    }
+    secrets
+        .delete_secret()
+        .secret_id(&arn)
+        .force_delete_without_recovery(true)
+        .send()
+        .await
+        .expect("delete the secret");
+}
+
 /// A CLI newer than the database's schema (upgraded before the scheduler, which migrates at
 /// start) says to migrate when a command needs what the schema lacks; what it does not need
 /// still works, and after `rowq migrate` so does the rest.

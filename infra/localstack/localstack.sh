@@ -23,6 +23,9 @@ pidfile=$state/localstack.pid
 logfile=$state/localstack.log
 listen=${LOCALSTACK_LISTEN:-127.0.0.1:4566}
 version=2026.3.0
+# Secrets Manager's provider is moto's (localstack-core's `runtime` extra, which would bring all of
+# moto's services); SQS needs none of it.
+moto=5.1.54
 
 say() { printf 'localstack: %s\n' "$*" >&2; }
 
@@ -55,7 +58,7 @@ PY
 install() {
   if [ -x "$venv/bin/python" ] && new_enough "$venv/bin/python" \
      && "$venv/bin/python" -c 'import localstack' 2>/dev/null \
-     && [ "$(cat "$venv/.rowq-version" 2>/dev/null)" = "$version" ]; then
+     && [ "$(cat "$venv/.rowq-version" 2>/dev/null)" = "$version $moto" ]; then
     return 0
   fi
   local py
@@ -70,8 +73,9 @@ install() {
   "$py" -m venv "$venv"
   printf 'cbor2<6\npyopenssl==25.1.0\ncryptography>=45.0.1,<46\n' > "$cache/localstack-constraints.txt"
   "$venv/bin/pip" install --quiet --disable-pip-version-check \
-    "localstack-core[base-runtime]==$version" service_identity -c "$cache/localstack-constraints.txt"
-  echo "$version" > "$venv/.rowq-version"
+    "localstack-core[base-runtime]==$version" service_identity "moto-ext==$moto" \
+    -c "$cache/localstack-constraints.txt"
+  echo "$version $moto" > "$venv/.rowq-version"
 }
 
 up() {
@@ -82,7 +86,7 @@ up() {
   install
   mkdir -p "$state/fs"
   say "starting on $listen (log: $logfile)"
-  OVERRIDE_IN_DOCKER=0 SERVICES=sqs GATEWAY_LISTEN="$listen" LOCALSTACK_HOST="$listen" \
+  OVERRIDE_IN_DOCKER=0 SERVICES=sqs,secretsmanager GATEWAY_LISTEN="$listen" LOCALSTACK_HOST="$listen" \
   SQS_ENDPOINT_STRATEGY=path FILESYSTEM_ROOT="$state/fs" DISABLE_EVENTS=1 SKIP_SSL_CERT_DOWNLOAD=1 \
     nohup "$venv/bin/python" -m localstack.runtime.main >"$logfile" 2>&1 &
   echo $! > "$pidfile"

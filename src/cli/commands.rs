@@ -226,7 +226,9 @@ async fn operate(pool: &PgPool, json: bool, command: Command) -> anyhow::Result<
 
 pub async fn connect(database_url: &str) -> anyhow::Result<PgPool> {
     if database_url.is_empty() {
-        bail!("no database: set DATABASE_URL or pass --database-url postgres://user@host:5432/db");
+        bail!(
+            "no database: set DATABASE_URL, pass --database-url postgres://user@host:5432/db, or set ROWQ_DATABASE_SECRET_ARN"
+        );
     }
     let config = DatabaseConfig { url: database_url.to_string(), pool_size: 4, secret_arn: None };
     store::connect(&config).await.with_context(|| format!("cannot connect to {}", redact_url(database_url)))

@@ -130,11 +130,31 @@ fn one_line(error: &anyhow::Error) -> String {
     line
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
+async fn run(mut cli: Cli) -> anyhow::Result<()> {
+    if cli.database_url.is_empty()
+        && let Some(url) = database_url_from_secret().await?
+    {
+        cli.database_url = url;
+    }
     match cli.command {
         Command::Dev(args) => dev::run(&cli.database_url, args).await,
         Command::Work => dev::work(&cli.database_url).await,
         Command::Demo(args) => demo::run(&cli.database_url, args).await,
         command => commands::run(&cli.database_url, cli.json, command).await,
     }
+}
+
+/// With neither `--database-url` nor `DATABASE_URL`, the URL in the secret
+/// `ROWQ_DATABASE_SECRET_ARN` names, read as the deployed binaries read it: an operator runs
+/// `rowq` against the production database with the secret's ARN and their own AWS credentials,
+/// and no password is copied into a shell or its history. `None` when no secret is named.
+async fn database_url_from_secret() -> anyhow::Result<Option<String>> {
+    let lookup = |name: &str| std::env::var(name).ok();
+    let env = crate::config::Env::new(&lookup);
+    if env.optional("ROWQ_DATABASE_SECRET_ARN").is_none() {
+        return Ok(None);
+    }
+    let mut database = crate::config::DatabaseConfig::from(&env, 1)?;
+    crate::secret::resolve(&mut database).await?;
+    Ok(Some(database.url))
 }
