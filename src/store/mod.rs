@@ -169,6 +169,13 @@ fn pool_options(config: &DatabaseConfig) -> PgPoolOptions {
 /// documentation of `REINDEX CONCURRENTLY` says to. One process repairs at a time (an advisory
 /// lock): two schedulers starting together would otherwise rebuild each other's `_ccnew`.
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    let (number, version): (String, String) =
+        sqlx::query_as("SELECT current_setting('server_version_num'), current_setting('server_version')")
+            .fetch_one(pool)
+            .await?;
+    if let Some(refusal) = unsupported_server(&number, &version) {
+        return Err(sqlx::Error::Configuration(refusal.into()).into());
+    }
     MIGRATOR.run(pool).await?;
     if invalid_indexes(pool).await?.is_empty() {
         return Ok(()); // as nearly always: no lock taken
@@ -191,6 +198,23 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     Ok(())
 }
 
+/// The oldest Postgres rowq runs on, as `server_version_num`: [`migrate`]'s repair uses
+/// `REINDEX INDEX CONCURRENTLY`, new in 12. rowq is tested on 15.
+pub const MIN_SERVER_VERSION_NUM: u32 = 120_000;
+
+/// Why a server of `server_version_num` `number` (`server_version` `version`) cannot hold rowq's
+/// schema, or `None` when it can. [`migrate`] asks before any migration runs: on an older server
+/// the first sign would otherwise be a syntax error in the middle of the schema.
+pub fn unsupported_server(number: &str, version: &str) -> Option<String> {
+    match number.trim().parse::<u32>() {
+        Ok(number) if number >= MIN_SERVER_VERSION_NUM => None,
+        _ => Some(format!(
+            "rowq needs PostgreSQL {} or later; this server is {version}",
+            MIN_SERVER_VERSION_NUM / 10_000
+        )),
+    }
+}
+
 /// The advisory lock, by `hashtext`, that [`migrate`] repairs indexes under.
 const INDEX_REPAIR_LOCK: &str = "rowq: index repair";
 
@@ -208,4 +232,21 @@ pub async fn invalid_indexes<'e>(executor: impl PgExecutor<'e>) -> Result<Vec<St
 /// Milliseconds as the `bigint` the SQL statements take for intervals.
 fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unsupported_server;
+
+    #[test]
+    fn a_server_older_than_postgres_12_is_refused_by_name() {
+        assert_eq!(
+            unsupported_server("110022", "11.22 (Debian 11.22-1)").as_deref(),
+            Some("rowq needs PostgreSQL 12 or later; this server is 11.22 (Debian 11.22-1)")
+        );
+        assert_eq!(unsupported_server("120000", "12.0"), None);
+        assert_eq!(unsupported_server("150019", "15.19"), None);
+        assert_eq!(unsupported_server("180001", "18.1"), None);
+        assert!(unsupported_server("", "?").is_some(), "a version it cannot read is not taken as new enough");
+    }
 }
