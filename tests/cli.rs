@@ -694,6 +694,86 @@ async fn the_cli_and_the_scheduler_read_the_database_url_from_a_secret() {
         .expect("delete the secret");
 }
 
+/// Runs `rowq ARGS` with `input` on its standard input.
+fn rowq_reading(pool: &PgPool, args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    let mut child = command(env!("CARGO_BIN_EXE_rowq"), pool)
+        .args(["--database-url", &common::url_of(pool)])
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start rowq");
+    child.stdin.take().expect("piped stdin").write_all(input.as_bytes()).expect("write rowq's input");
+    child.wait_with_output().expect("run rowq")
+}
+
+/// `rowq enqueue KIND --lines FILE` enqueues a job per line (`-`: standard input), in the
+/// lines' order, all in one transaction: a line that is not a JSON object enqueues none and is
+/// named, and so does a row the database refuses in a later statement than the first. A PAYLOAD
+/// of `@FILE` or `-` is read from the file or from standard input.
+#[tokio::test]
+async fn enqueue_lines_enqueues_a_job_per_line_in_order_or_none_naming_the_bad_line() {
+    let pool = common::database().await;
+    let count = || sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rowq.jobs").fetch_one(&pool);
+
+    let lines = "{\"n\":1}\n\n{\"n\":2}\n{\"n\":3}\n";
+    let output = rowq_reading(
+        &pool,
+        &["enqueue", "resize", "--lines", "-", "--queue", "bulk", "--group-key", "g", "--json"],
+        lines,
+    );
+    let done = parsed(&["enqueue", "--lines"], &output);
+    assert_eq!(done["enqueued"], json!(3), "{done}");
+    let rows: Vec<(i64, Value, String, Option<String>)> =
+        sqlx::query_as("SELECT id, payload, queue, group_key FROM rowq.jobs ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let ids: Vec<i64> = rows.iter().map(|row| row.0).collect();
+    assert_eq!(done["ids"], json!(ids));
+    for (row, n) in rows.iter().zip(1..) {
+        assert_eq!(
+            (&row.1, row.2.as_str(), row.3.as_deref()),
+            (&json!({"n": n}), "bulk", Some("g")),
+            "in the lines' order"
+        );
+    }
+
+    let file = std::env::temp_dir().join(format!("rowq-lines-{}.jsonl", std::process::id()));
+    std::fs::write(&file, "{\"n\":4}\n{\"n\":5}\n{oops\n").unwrap();
+    let path = file.to_string_lossy().into_owned();
+    let message = refusal(&pool, &["enqueue", "resize", "--lines", &path]);
+    assert!(message.contains(&format!("line 3 of {path} is not valid JSON")), "{message}");
+    let output = rowq_reading(&pool, &["enqueue", "resize", "--lines", "-"], "{\"n\":4}\n[5]\n");
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr(&output).contains("line 2 of standard input is not a JSON object"), "{}", stderr(&output));
+    // 1,001 lines go in two statements; the second's row is refused, and the first's go with it.
+    let too_big = format!("{{\"pad\":\"{}\"}}", "x".repeat(1 << 20));
+    let many = format!("{}{too_big}\n", "{}\n".repeat(1000));
+    let output = rowq_reading(&pool, &["enqueue", "resize", "--lines", "-"], &many);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr(&output).contains("cannot enqueue, so none was"), "{}", stderr(&output));
+    assert!(stderr(&output).contains("jobs_payload_is_at_most_1_mib"), "{}", stderr(&output));
+    assert_eq!(count().await.unwrap(), 3, "a refused line enqueued some of the others");
+
+    std::fs::write(&file, "{\"from\":\"a file\"}").unwrap();
+    let one = json_of(&pool, &["enqueue", "resize", &format!("@{path}")]);
+    let job = common::job(&pool, rowq::JobId(one["id"].as_i64().unwrap())).await;
+    assert_eq!(job.payload, json!({"from": "a file"}));
+    let output = rowq_reading(&pool, &["enqueue", "resize", "-", "--json"], "{\"from\":\"stdin\"}");
+    let one = parsed(&["enqueue", "-"], &output);
+    let job = common::job(&pool, rowq::JobId(one["id"].as_i64().unwrap())).await;
+    assert_eq!(job.payload, json!({"from": "stdin"}));
+    std::fs::remove_file(&file).unwrap();
+
+    for usage in [["--lines", "-", "--wait"], ["--lines", "-", "--dedup-key=k"]] {
+        let output = rowq(&pool, &[&["enqueue", "resize"][..], &usage[..]].concat());
+        assert_eq!(output.status.code(), Some(2), "{usage:?}: a usage error, as clap reports them");
+    }
+}
+
 /// A CLI newer than the database's schema (upgraded before the scheduler, which migrates at
 /// start) says to migrate when a command needs what the schema lacks; what it does not need
 /// still works, and after `rowq migrate` so does the rest.

@@ -417,6 +417,38 @@ async fn group_jobs_from_overlapping_transactions_are_dispatched_in_commit_order
     assert_eq!(common::job(&pool, committed_first).await.state, JobState::Dispatched);
 }
 
+/// Jobs enqueued together (`admin::enqueue_many`, `rowq enqueue --lines`) take ascending ids in
+/// the order given, so a group runs them in that order; inside the caller's transaction they
+/// appear at its commit. A shared `dedup_key` is refused: only the first would be enqueued.
+#[tokio::test]
+async fn jobs_enqueued_together_run_in_the_order_given_within_their_group() {
+    let pool = common::database().await;
+    let like = group_job("customer-9", 0);
+    let payloads: Vec<serde_json::Value> = (1..=3).map(|n| json!({ "n": n })).collect();
+    let mut open = pool.begin().await.unwrap();
+    let ids = admin::enqueue_many(&mut *open, &like, &payloads).await.unwrap();
+    assert_eq!(ids.len(), 3);
+    let scheduler = memory_scheduler(&pool);
+    scheduler.run_once().await.unwrap();
+    assert!(sent_ids(&scheduler).is_empty(), "jobs of an open transaction were claimed");
+    open.commit().await.unwrap();
+
+    for (n, id) in (1..=3).zip(&ids) {
+        assert_eq!(common::job(&pool, *id).await.payload, json!({ "n": n }), "ids follow the payloads' order");
+        scheduler.run_once().await.unwrap();
+        assert_eq!(sent_ids(&scheduler), vec![*id], "the group's next job, and only it");
+        sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = $1")
+            .bind(id)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
+    let keyed = NewJob { dedup_key: Some("once".into()), ..NewJob::new("noop", json!({})) };
+    let error = admin::enqueue_many(&pool, &keyed, &payloads).await.unwrap_err();
+    assert!(error.to_string().contains("cannot share a dedup_key"), "{error}");
+}
+
 #[tokio::test]
 async fn an_idle_scheduler_wakes_on_notify_long_before_its_poll_interval() {
     let pool = common::database().await;

@@ -18,9 +18,14 @@ use crate::{JobId, JobState};
 pub struct EnqueueArgs {
     /// The job kind (which handler runs it).
     kind: String,
-    /// The payload, a JSON object.
-    #[arg(default_value = "{}")]
+    /// The payload, a JSON object; `@FILE` reads it from a file, `-` from standard input.
+    #[arg(default_value = "{}", allow_hyphen_values = true)]
     payload: String,
+    /// Enqueue one job per line of FILE (`-`: standard input), each line a payload, all with
+    /// the other options, in one transaction (a backfill): a line that is not a JSON object
+    /// enqueues none, naming it. Blank lines are skipped.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["payload", "dedup_key", "wait"])]
+    lines: Option<String>,
     #[arg(long)]
     queue: Option<String>,
     /// Higher runs first.
@@ -257,12 +262,18 @@ async fn get(pool: &PgPool, id: i64) -> anyhow::Result<admin::JobRow> {
 }
 
 async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result<()> {
-    let payload: serde_json::Value = serde_json::from_str(&args.payload)
-        .with_context(|| format!("PAYLOAD is not valid JSON: {:?}", args.payload))?;
     let run_at = match (args.run_at, args.delay) {
         (Some(at), _) => Some(at),
         (None, Some(secs)) => Some(Utc::now() + Duration::from_secs(secs)),
         (None, None) => None,
+    };
+    let payload = match (&args.lines, args.payload.as_str()) {
+        (Some(_), _) => serde_json::Value::Null, // each line's, below
+        (None, "-") => parse_payload(&read_input("-")?, "the payload on standard input")?,
+        (None, text) => match text.strip_prefix('@') {
+            Some(path) => parse_payload(&read_input(path)?, &format!("the payload in {path}"))?,
+            None => parse_payload(text, "PAYLOAD")?,
+        },
     };
     let job = admin::NewJob {
         kind: args.kind,
@@ -274,6 +285,9 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
         group_key: args.group_key,
         dedup_key: args.dedup_key.clone(),
     };
+    if let Some(source) = &args.lines {
+        return enqueue_lines(pool, &job, source, json).await;
+    }
     let id = match admin::enqueue(pool, &job).await.map_err(|error| refused(error, "cannot enqueue"))? {
         Some(id) if !args.wait => {
             say(json, &serde_json::json!({"id": id, "enqueued": true}), &format!("enqueued job {id}"));
@@ -305,6 +319,63 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
         }
     };
     wait(pool, id, args.timeout, json).await
+}
+
+/// Jobs enqueued together, per statement: 1,000 payloads of up to 1 MiB each stay far below
+/// what one bound array may hold, and a statement's round trip is shared by 1,000 rows.
+const LINES_PER_STATEMENT: usize = 1000;
+
+/// `enqueue --lines`: one job like `job` per line of `source`, all in one transaction.
+async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: bool) -> anyhow::Result<()> {
+    let name = if source == "-" { "standard input" } else { source };
+    let text = read_input(source)?;
+    let mut payloads = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        if !line.trim().is_empty() {
+            let what = format!("line {} of {name}", index + 1);
+            let payload = parse_payload(line, &what)?;
+            // The database refuses it too, but would not say which line.
+            if !payload.is_object() {
+                bail!("{what} is not a JSON object (a payload must be one): {:?}", clip(line));
+            }
+            payloads.push(payload);
+        }
+    }
+    let mut transaction = pool.begin().await.context("cannot enqueue")?;
+    let mut ids = Vec::with_capacity(payloads.len());
+    for chunk in payloads.chunks(LINES_PER_STATEMENT) {
+        let done = admin::enqueue_many(&mut *transaction, job, chunk).await;
+        ids.extend(done.map_err(|error| refused(error, "cannot enqueue, so none was"))?);
+    }
+    transaction.commit().await.context("cannot enqueue")?;
+    let text = match (ids.first(), ids.last()) {
+        (Some(first), Some(last)) => format!("enqueued {} jobs (ids {first} to {last})", ids.len()),
+        _ => format!("enqueued 0 jobs: {name} has no lines"),
+    };
+    say(json, &serde_json::json!({"enqueued": ids.len(), "ids": ids}), &text);
+    Ok(())
+}
+
+/// All of FILE, or of standard input for `-`.
+fn read_input(source: &str) -> anyhow::Result<String> {
+    if source == "-" {
+        return std::io::read_to_string(std::io::stdin()).context("cannot read standard input");
+    }
+    std::fs::read_to_string(source).with_context(|| format!("cannot read {source}"))
+}
+
+/// A payload's JSON; `what` names where it came from in the error. Whether it is an object is
+/// the database's rule (`jobs_payload_is_a_json_object`).
+fn parse_payload(text: &str, what: &str) -> anyhow::Result<serde_json::Value> {
+    serde_json::from_str(text).with_context(|| format!("{what} is not valid JSON: {:?}", clip(text)))
+}
+
+/// At most the first 80 characters of `text`, for an error line.
+fn clip(text: &str) -> String {
+    match text.char_indices().nth(80) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_string(),
+    }
 }
 
 /// A wait whose timeout passed before its job finished: `rowq` exits with [`TIMED_OUT`], as

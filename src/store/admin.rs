@@ -105,6 +105,46 @@ pub async fn enqueue<'e>(executor: impl PgExecutor<'e>, job: &NewJob) -> Result<
     .await
 }
 
+/// Enqueues one job per payload, each with `like`'s other columns (its own `payload` is not
+/// used), in one statement, in the order given: the ids ascend with it, so jobs of one
+/// `group_key` run in that order. Returns the ids, in order. A `dedup_key` would let only the
+/// first of them in, so `like` must have none. Works inside the caller's transaction, as
+/// [`enqueue`] does; bad rows are refused by the same rules, and then none of the statement's
+/// are enqueued.
+pub async fn enqueue_many<'e>(
+    executor: impl PgExecutor<'e>,
+    like: &NewJob,
+    payloads: &[serde_json::Value],
+) -> Result<Vec<JobId>, sqlx::Error> {
+    if like.dedup_key.is_some() {
+        return Err(sqlx::Error::InvalidArgument(
+            "jobs enqueued together cannot share a dedup_key: only the first would be enqueued".into(),
+        ));
+    }
+    sqlx::query_scalar(
+        r#"
+        INSERT INTO rowq.jobs (kind, payload, queue, priority, run_at, max_attempts, group_key)
+        SELECT $1, p.payload, COALESCE($3, 'default'), COALESCE($4, 0), COALESCE($5, now()), COALESCE($6, 5), $7
+        FROM unnest($2::jsonb[]) WITH ORDINALITY AS p (payload, n)
+        ORDER BY p.n
+        RETURNING id
+        "#,
+    )
+    .bind(&like.kind)
+    .bind(payloads)
+    .bind(&like.queue)
+    .bind(like.priority)
+    .bind(like.run_at)
+    .bind(like.max_attempts)
+    .bind(&like.group_key)
+    .fetch_all(executor)
+    .await
+    .map(|mut ids: Vec<JobId>| {
+        ids.sort_unstable(); // RETURNING's order is the insert's in practice, not by contract
+        ids
+    })
+}
+
 pub async fn get(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
     sqlx::query_as("SELECT * FROM rowq.jobs WHERE id = $1").bind(id).fetch_optional(pool).await
 }
