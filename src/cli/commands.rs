@@ -19,7 +19,7 @@ pub struct EnqueueArgs {
     /// The job kind (which handler runs it).
     kind: String,
     /// The payload, a JSON object; `@FILE` reads it from a file, `-` from standard input.
-    #[arg(default_value = "{}", allow_hyphen_values = true)]
+    #[arg(default_value = "{}")]
     payload: String,
     /// Enqueue one job per line of FILE (`-`: standard input), each line a payload, all with
     /// the other options, in one transaction (a backfill): a line that is not a JSON object
@@ -350,7 +350,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
     transaction.commit().await.context("cannot enqueue")?;
     let text = match (ids.first(), ids.last()) {
         (Some(first), Some(last)) => format!("enqueued {} jobs (ids {first} to {last})", ids.len()),
-        _ => format!("enqueued 0 jobs: {name} has no lines"),
+        _ => format!("enqueued 0 jobs: {name} has no payload lines"),
     };
     say(json, &serde_json::json!({"enqueued": ids.len(), "ids": ids}), &text);
     Ok(())
