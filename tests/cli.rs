@@ -225,9 +225,10 @@ async fn queues_create_is_idempotent_and_prints_the_urls() {
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in
-        ["migrate", "enqueue", "status", "wait", "list", "stats", "retry", "cancel", "queues", "dev", "demo", "work"]
-    {
+    for sub in [
+        "migrate", "enqueue", "status", "wait", "list", "stats", "retry", "discard", "cancel", "queues", "dev", "demo",
+        "work",
+    ] {
         let output = Command::new(env!("CARGO_BIN_EXE_rowq")).args([sub, "--help"]).output().unwrap();
         assert!(output.status.success(), "rowq {sub} --help failed");
         assert!(stdout(&output).contains("Usage: rowq"), "rowq {sub} --help: {}", stdout(&output));
@@ -692,6 +693,31 @@ async fn the_cli_and_the_scheduler_read_the_database_url_from_a_secret() {
         .send()
         .await
         .expect("delete the secret");
+}
+
+/// `rowq list --group-key` and `--dedup-key` find the jobs of a group, or of a key, finished
+/// ones too, newest first, and nothing else.
+#[tokio::test]
+async fn list_finds_the_jobs_of_a_group_or_of_a_dedup_key_finished_ones_too() {
+    let pool = common::database().await;
+    let enqueue = |args: &[&str]| json_of(&pool, &[&["enqueue", "report"][..], args].concat())["id"].as_i64().unwrap();
+    let first = enqueue(&["--dedup-key", "nightly", "--group-key", "g"]);
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = $1")
+        .bind(first)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let second = enqueue(&["--dedup-key", "nightly"]);
+    let grouped = enqueue(&["--group-key", "g"]);
+    enqueue(&[]);
+    let ids = |args: &[&str]| -> Vec<i64> {
+        let listed = json_of(&pool, &[&["list"][..], args].concat());
+        listed.as_array().unwrap().iter().map(|row| row["id"].as_i64().unwrap()).collect()
+    };
+    assert_eq!(ids(&["--dedup-key", "nightly"]), [second, first]);
+    assert_eq!(ids(&["--group-key", "g"]), [grouped, first]);
+    assert_eq!(ids(&["--group-key", "g", "--state", "pending"]), [grouped]);
+    assert_eq!(ids(&["--dedup-key", "weekly"]), Vec::<i64>::new());
 }
 
 /// Runs `rowq ARGS` with `input` on its standard input.

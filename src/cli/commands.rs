@@ -71,6 +71,12 @@ pub struct ListArgs {
     kind: Option<String>,
     #[arg(long)]
     queue: Option<String>,
+    /// The jobs of this group_key, finished ones too: what ran and what waits, in order.
+    #[arg(long)]
+    group_key: Option<String>,
+    /// The jobs enqueued with this dedup_key, finished ones too: each run of a recurring job.
+    #[arg(long)]
+    dedup_key: Option<String>,
     #[arg(long, default_value_t = 20)]
     limit: i64,
 }
@@ -210,7 +216,14 @@ async fn operate(pool: &PgPool, json: bool, command: Command) -> anyhow::Result<
         }
         Command::Wait(args) => wait(pool, JobId(args.id), args.timeout, json).await?,
         Command::List(args) => {
-            let filter = admin::ListFilter { state: args.state, kind: args.kind, queue: args.queue, limit: args.limit };
+            let filter = admin::ListFilter {
+                state: args.state,
+                kind: args.kind,
+                queue: args.queue,
+                group_key: args.group_key,
+                dedup_key: args.dedup_key,
+                limit: args.limit,
+            };
             let rows = admin::list(pool, &filter).await.context("cannot list jobs")?;
             if json {
                 print_json(&rows);

@@ -218,6 +218,10 @@ pub struct ListFilter {
     pub state: Option<JobState>,
     pub kind: Option<String>,
     pub queue: Option<String>,
+    /// The jobs of one group: what ran, and what waits, in a customer's ordered stream.
+    pub group_key: Option<String>,
+    /// The jobs enqueued with one key: each run of a recurring job, say.
+    pub dedup_key: Option<String>,
     pub limit: i64,
 }
 
@@ -229,6 +233,8 @@ pub async fn list(pool: &PgPool, filter: &ListFilter) -> Result<Vec<JobRow>, sql
         WHERE ($1::rowq.job_state IS NULL OR state = $1)
           AND ($2::text IS NULL OR kind = $2)
           AND ($3::text IS NULL OR queue = $3)
+          AND ($5::text IS NULL OR group_key = $5)
+          AND ($6::text IS NULL OR dedup_key = $6)
         ORDER BY id DESC
         LIMIT $4
         "#,
@@ -237,6 +243,8 @@ pub async fn list(pool: &PgPool, filter: &ListFilter) -> Result<Vec<JobRow>, sql
     .bind(&filter.kind)
     .bind(&filter.queue)
     .bind(filter.limit)
+    .bind(&filter.group_key)
+    .bind(&filter.dedup_key)
     .fetch_all(pool)
     .await
 }
