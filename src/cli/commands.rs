@@ -341,23 +341,24 @@ const LINES_PER_STATEMENT: usize = 1000;
 /// `enqueue --lines`: one job like `job` per line of `source`, all in one transaction.
 async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: bool) -> anyhow::Result<()> {
     let name = if source == "-" { "standard input" } else { source };
+    // All of the input is read, and every line checked, before the transaction begins: a slow
+    // producer on a pipe then holds no transaction open (which would hold back the cleanup of
+    // old row versions), and a bad line is found before anything is written. The lines stay
+    // text until their statement (a parsed payload takes several times its text's memory).
     let text = read_input(source)?;
-    let mut payloads = Vec::new();
-    for (index, line) in text.lines().enumerate() {
-        if !line.trim().is_empty() {
-            let what = format!("line {} of {name}", index + 1);
-            let payload = parse_payload(line, &what)?;
-            // The database refuses it too, but would not say which line.
-            if !payload.is_object() {
-                bail!("{what} is not a JSON object (a payload must be one): {:?}", clip(line));
-            }
-            payloads.push(payload);
+    let lines: Vec<(usize, &str)> = text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()).collect();
+    for &(index, line) in &lines {
+        let what = format!("line {} of {name}", index + 1);
+        // The database refuses a payload that is no object too, but would not say which line.
+        if !parse_payload(line, &what)?.is_object() {
+            bail!("{what} is not a JSON object (a payload must be one): {:?}", clip(line));
         }
     }
     let mut transaction = pool.begin().await.context("cannot enqueue")?;
-    let mut ids = Vec::with_capacity(payloads.len());
-    for chunk in payloads.chunks(LINES_PER_STATEMENT) {
-        let done = admin::enqueue_many(&mut *transaction, job, chunk).await;
+    let mut ids = Vec::with_capacity(lines.len());
+    for chunk in lines.chunks(LINES_PER_STATEMENT) {
+        let payloads = chunk.iter().map(|(_, line)| parse_payload(line, name)).collect::<anyhow::Result<Vec<_>>>()?;
+        let done = admin::enqueue_many(&mut *transaction, job, &payloads).await;
         ids.extend(done.map_err(|error| refused(error, "cannot enqueue, so none was"))?);
     }
     transaction.commit().await.context("cannot enqueue")?;
