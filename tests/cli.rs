@@ -870,6 +870,34 @@ async fn json_beside(pool: &PgPool, args: &[&str]) -> Value {
     parsed(args, &rowq_beside(pool, &[args, &["--json"]].concat()).await)
 }
 
+/// A job deleted while `rowq wait` waits on it (a discard, retention, a `DELETE` by hand) is
+/// said to be deleted, not never to have existed.
+#[tokio::test]
+async fn a_wait_on_a_job_deleted_meanwhile_says_it_was_deleted() {
+    use tokio::io::AsyncBufReadExt;
+    let pool = common::database().await;
+    let job = rowq::store::admin::NewJob {
+        queue: Some("nobody-serves".into()),
+        ..rowq::store::admin::NewJob::new("noop", json!({}))
+    };
+    let id = rowq::store::admin::enqueue(&pool, &job).await.unwrap().unwrap();
+    let mut wait = tokio::process::Command::from(command(env!("CARGO_BIN_EXE_rowq"), &pool));
+    let mut wait =
+        wait.args(["wait", &id.to_string()]).stderr(std::process::Stdio::piped()).spawn().expect("start rowq wait");
+    let mut stderr_lines = tokio::io::BufReader::new(wait.stderr.take().expect("piped stderr")).lines();
+    let first = stderr_lines.next_line().await.unwrap().expect("a first line of progress");
+    assert!(first.starts_with(&format!("job {id} pending")), "{first}");
+    sqlx::query("DELETE FROM rowq.jobs WHERE id = $1").bind(id).execute(&pool).await.unwrap();
+    let mut rest = Vec::new();
+    while let Some(line) = stderr_lines.next_line().await.unwrap() {
+        rest.push(line);
+    }
+    let status = wait.wait().await.unwrap();
+    assert_eq!(status.code(), Some(1), "{rest:?}");
+    let said = rest.last().cloned().unwrap_or_default();
+    assert!(said.contains(&format!("job {id} was deleted while it was waited on")), "{said}");
+}
+
 /// The last line of stderr: the error `rowq` exits with, after the progress of a wait.
 fn last_line(output: &Output) -> String {
     stderr(output).trim().lines().last().unwrap_or_default().to_string()

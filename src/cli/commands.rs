@@ -419,7 +419,9 @@ async fn wait(pool: &PgPool, id: JobId, timeout: Option<u64>, json: bool) -> any
     if !json {
         warn_if_paused(pool, id).await?;
     }
+    let mut read = false;
     let waited = admin::wait_finished(pool, id, timeout, |row| {
+        read = true;
         if !json {
             eprintln!("job {id} {}", progress(row));
         }
@@ -427,6 +429,11 @@ async fn wait(pool: &PgPool, id: JobId, timeout: Option<u64>, json: bool) -> any
     .await
     .context("cannot read the job")?;
     let row = match waited {
+        admin::Waited::Missing if read => {
+            bail!(
+                "job {id} was deleted while it was waited on (by rowq discard, retention, or by hand): its outcome is gone"
+            )
+        }
         admin::Waited::Missing => bail!("job {id} does not exist"),
         admin::Waited::Finished(row) | admin::Waited::Unfinished(row) => row,
     };

@@ -167,7 +167,8 @@ pub enum Waited {
     Finished(JobRow),
     /// The timeout passed first: the row as last read.
     Unfinished(JobRow),
-    /// No such job: never enqueued, or deleted (by retention) before it was read finished.
+    /// No such job: never enqueued, or deleted (`rowq discard`, retention, by hand) before it
+    /// was read finished; `seen` was called before, for the latter, if it was read at all.
     Missing,
 }
 
