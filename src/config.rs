@@ -116,7 +116,8 @@ impl<'a> Env<'a> {
     }
 }
 
-fn process_env(name: &str) -> Option<String> {
+/// The process environment, as [`Env::new`] reads it.
+pub fn process_env(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 

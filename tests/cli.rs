@@ -38,12 +38,15 @@ fn work_reporting_metrics(pool: &PgPool, queue_url: &str, settings: &[(&str, &st
     work.spawn().expect("start rowq work")
 }
 
+/// `rowq ARGS` on the test's database, to run or spawn.
+fn rowq_command(pool: &PgPool, args: &[&str]) -> Command {
+    let mut rowq = command(env!("CARGO_BIN_EXE_rowq"), pool);
+    rowq.args(["--database-url", &common::url_of(pool)]).args(args);
+    rowq
+}
+
 fn rowq(pool: &PgPool, args: &[&str]) -> Output {
-    command(env!("CARGO_BIN_EXE_rowq"), pool)
-        .args(["--database-url", &common::url_of(pool)])
-        .args(args)
-        .output()
-        .expect("run rowq")
+    rowq_command(pool, args).output().expect("run rowq")
 }
 
 /// Runs `scheduler --once` publishing to `queue_url`, with `env` added; expects success.
@@ -632,13 +635,7 @@ async fn the_cli_and_the_scheduler_read_the_database_url_from_a_secret() {
     let pool = common::database().await;
     let sqs = common::sqs().await;
     let queues = common::queues(&sqs, 3, Duration::from_secs(30)).await;
-    let aws = rowq::sqs::aws_config()
-        .endpoint_url(common::endpoint())
-        .region(aws_sdk_sqs::config::Region::new("us-east-1"))
-        .credentials_provider(aws_sdk_sqs::config::Credentials::new("test", "test", None, None, "rowq-tests"))
-        .load()
-        .await;
-    let secrets = aws_sdk_secretsmanager::Client::new(&aws);
+    let secrets = aws_sdk_secretsmanager::Client::new(&common::aws_at(&common::endpoint()).await);
     let options = pool.connect_options();
     let database = options.get_database().expect("a test pool names its database");
     let rds_secret = json!({
@@ -723,9 +720,7 @@ async fn list_finds_the_jobs_of_a_group_or_of_a_dedup_key_finished_ones_too() {
 /// Runs `rowq ARGS` with `input` on its standard input.
 fn rowq_reading(pool: &PgPool, args: &[&str], input: &str) -> Output {
     use std::io::Write;
-    let mut child = command(env!("CARGO_BIN_EXE_rowq"), pool)
-        .args(["--database-url", &common::url_of(pool)])
-        .args(args)
+    let mut child = rowq_command(pool, args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -860,8 +855,7 @@ async fn pause_and_resume_a_queue_from_the_command_line_and_find_it_in_stats() {
 /// `rowq ARGS` run without blocking the test's runtime, which drives the pipeline the command
 /// waits for.
 async fn rowq_beside(pool: &PgPool, args: &[&str]) -> Output {
-    let mut command = tokio::process::Command::from(command(env!("CARGO_BIN_EXE_rowq"), pool));
-    command.args(args).output().await.expect("run rowq")
+    tokio::process::Command::from(rowq_command(pool, args)).output().await.expect("run rowq")
 }
 
 /// [`json_of`] without blocking the test's runtime: while the pipeline runs in it, a blocked
@@ -876,14 +870,11 @@ async fn json_beside(pool: &PgPool, args: &[&str]) -> Value {
 async fn a_wait_on_a_job_deleted_meanwhile_says_it_was_deleted() {
     use tokio::io::AsyncBufReadExt;
     let pool = common::database().await;
-    let job = rowq::store::admin::NewJob {
-        queue: Some("nobody-serves".into()),
-        ..rowq::store::admin::NewJob::new("noop", json!({}))
-    };
-    let id = rowq::store::admin::enqueue(&pool, &job).await.unwrap().unwrap();
-    let mut wait = tokio::process::Command::from(command(env!("CARGO_BIN_EXE_rowq"), &pool));
-    let mut wait =
-        wait.args(["wait", &id.to_string()]).stderr(std::process::Stdio::piped()).spawn().expect("start rowq wait");
+    let id = common::enqueue(&pool, "noop", json!({})).await; // no scheduler runs here
+    let mut wait = tokio::process::Command::from(rowq_command(&pool, &["wait", &id.to_string()]))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start rowq wait");
     let mut stderr_lines = tokio::io::BufReader::new(wait.stderr.take().expect("piped stderr")).lines();
     let first = stderr_lines.next_line().await.unwrap().expect("a first line of progress");
     assert!(first.starts_with(&format!("job {id} pending")), "{first}");

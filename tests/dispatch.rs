@@ -335,10 +335,17 @@ async fn a_crash_between_claim_and_publish_is_rescued_after_the_lease_and_the_ol
     assert_eq!(sent[0].message.dispatch_gen, 2);
 
     // A message of generation 1 that shows up late matches nothing.
-    let stale = start(&pool, &[StartRequest { id, dispatch_gen: 1, lease: Duration::from_secs(60) }]).await.unwrap();
-    assert!(stale.is_empty(), "the old generation started");
-    let current = start(&pool, &[StartRequest { id, dispatch_gen: 2, lease: Duration::from_secs(60) }]).await.unwrap();
-    assert_eq!(current.len(), 1);
+    only_the_new_generation_starts(&pool, id, "the old generation started").await;
+}
+
+/// A fence of generation 1 starts nothing and one of generation 2 starts job `id`: the claim
+/// after a rescue or a retry gave the job a new generation. `stale_started` says what it means
+/// when generation 1 starts it.
+async fn only_the_new_generation_starts(pool: &PgPool, id: JobId, stale_started: &str) {
+    let lease = Duration::from_secs(60);
+    let stale = start(pool, &[StartRequest { id, dispatch_gen: 1, lease }]).await.unwrap();
+    assert!(stale.is_empty(), "{stale_started}");
+    assert_eq!(start(pool, &[StartRequest { id, dispatch_gen: 2, lease }]).await.unwrap().len(), 1);
 }
 
 /// A job cancelled while its message was on its way, then retried (`rowq retry`, the undo of a
@@ -354,10 +361,7 @@ async fn a_cancelled_job_retried_runs_by_its_new_generation_never_by_the_message
     assert_eq!((retried.state, retried.attempts, retried.finished_at), (JobState::Pending, 0, None));
     let again = claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
     assert_eq!(again[0].dispatch_gen, 2);
-    let lease = Duration::from_secs(60);
-    let stale = start(&pool, &[StartRequest { id, dispatch_gen: 1, lease }]).await.unwrap();
-    assert!(stale.is_empty(), "the message sent before the cancel started the job");
-    assert_eq!(start(&pool, &[StartRequest { id, dispatch_gen: 2, lease }]).await.unwrap().len(), 1);
+    only_the_new_generation_starts(&pool, id, "the message sent before the cancel started the job").await;
     assert!(admin::retry(&pool, id).await.unwrap().is_none(), "a running job was retried");
 }
 

@@ -419,9 +419,7 @@ async fn wait(pool: &PgPool, id: JobId, timeout: Option<u64>, json: bool) -> any
     if !json {
         warn_if_paused(pool, id).await?;
     }
-    let mut read = false;
     let waited = admin::wait_finished(pool, id, timeout, |row| {
-        read = true;
         if !json {
             eprintln!("job {id} {}", progress(row));
         }
@@ -429,7 +427,7 @@ async fn wait(pool: &PgPool, id: JobId, timeout: Option<u64>, json: bool) -> any
     .await
     .context("cannot read the job")?;
     let row = match waited {
-        admin::Waited::Missing if read => {
+        admin::Waited::Deleted(_) => {
             bail!(
                 "job {id} was deleted while it was waited on (by rowq discard, retention, or by hand): its outcome is gone"
             )

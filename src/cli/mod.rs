@@ -149,8 +149,7 @@ async fn run(mut cli: Cli) -> anyhow::Result<()> {
 /// `rowq` against the production database with the secret's ARN and their own AWS credentials,
 /// and no password is copied into a shell or its history. `None` when no secret is named.
 async fn database_url_from_secret() -> anyhow::Result<Option<String>> {
-    let lookup = |name: &str| std::env::var(name).ok();
-    let env = crate::config::Env::new(&lookup);
+    let env = crate::config::Env::new(&crate::config::process_env);
     if env.optional("ROWQ_DATABASE_SECRET_ARN").is_none() {
         return Ok(None);
     }

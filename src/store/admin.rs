@@ -80,29 +80,36 @@ impl NewJob {
     }
 }
 
+/// The values of a new job's `queue, priority, run_at, max_attempts, group_key` columns, from
+/// `$3`..`$7` as [`bind_new_job`] binds them, `NULL` taking the table's defaults: one text for
+/// [`enqueue`] and [`enqueue_many`].
+macro_rules! new_job_columns {
+    () => {
+        "COALESCE($3, 'default'), COALESCE($4, 0), COALESCE($5, now()), COALESCE($6, 5), $7"
+    };
+}
+
+fn bind_new_job<'q>(
+    query: sqlx::query::QueryScalar<'q, sqlx::Postgres, JobId, sqlx::postgres::PgArguments>,
+    job: &'q NewJob,
+) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, JobId, sqlx::postgres::PgArguments> {
+    query.bind(&job.queue).bind(job.priority).bind(job.run_at).bind(job.max_attempts).bind(&job.group_key)
+}
+
 /// The same `INSERT` any client can run. Returns `None` when an unfinished job with the same
 /// `dedup_key` exists (`ON CONFLICT DO NOTHING`). Bad rows are refused by the schema's rules
 /// (each a domain's CHECK, named in the error). Works inside the caller's transaction: pass
 /// `&mut *tx`.
 pub async fn enqueue<'e>(executor: impl PgExecutor<'e>, job: &NewJob) -> Result<Option<JobId>, sqlx::Error> {
-    sqlx::query_scalar(
-        r#"
-        INSERT INTO rowq.jobs (kind, payload, queue, priority, run_at, max_attempts, group_key, dedup_key)
-        VALUES ($1, $2, COALESCE($3, 'default'), COALESCE($4, 0), COALESCE($5, now()), COALESCE($6, 5), $7, $8)
+    let query = sqlx::query_scalar(concat!(
+        "INSERT INTO rowq.jobs (kind, payload, queue, priority, run_at, max_attempts, group_key, dedup_key)
+        VALUES ($1, $2, ",
+        new_job_columns!(),
+        ", $8)
         ON CONFLICT DO NOTHING
-        RETURNING id
-        "#,
-    )
-    .bind(&job.kind)
-    .bind(&job.payload)
-    .bind(&job.queue)
-    .bind(job.priority)
-    .bind(job.run_at)
-    .bind(job.max_attempts)
-    .bind(&job.group_key)
-    .bind(&job.dedup_key)
-    .fetch_optional(executor)
-    .await
+        RETURNING id"
+    ));
+    bind_new_job(query.bind(&job.kind).bind(&job.payload), job).bind(&job.dedup_key).fetch_optional(executor).await
 }
 
 /// Enqueues one job per payload, each with `like`'s other columns (its own `payload` is not
@@ -121,25 +128,15 @@ pub async fn enqueue_many<'e>(
             "jobs enqueued together cannot share a dedup_key: only the first would be enqueued".into(),
         ));
     }
-    sqlx::query_scalar(
-        r#"
-        INSERT INTO rowq.jobs (kind, payload, queue, priority, run_at, max_attempts, group_key)
-        SELECT $1, p.payload, COALESCE($3, 'default'), COALESCE($4, 0), COALESCE($5, now()), COALESCE($6, 5), $7
-        FROM unnest($2::jsonb[]) WITH ORDINALITY AS p (payload, n)
+    let query = sqlx::query_scalar(concat!(
+        "INSERT INTO rowq.jobs (kind, payload, queue, priority, run_at, max_attempts, group_key)
+        SELECT $1, p.payload, ",
+        new_job_columns!(),
+        " FROM unnest($2::jsonb[]) WITH ORDINALITY AS p (payload, n)
         ORDER BY p.n
-        RETURNING id
-        "#,
-    )
-    .bind(&like.kind)
-    .bind(payloads)
-    .bind(&like.queue)
-    .bind(like.priority)
-    .bind(like.run_at)
-    .bind(like.max_attempts)
-    .bind(&like.group_key)
-    .fetch_all(executor)
-    .await
-    .map(|mut ids: Vec<JobId>| {
+        RETURNING id"
+    ));
+    bind_new_job(query.bind(&like.kind).bind(payloads), like).fetch_all(executor).await.map(|mut ids: Vec<JobId>| {
         ids.sort_unstable(); // RETURNING's order is the insert's in practice, not by contract
         ids
     })
@@ -167,8 +164,10 @@ pub enum Waited {
     Finished(JobRow),
     /// The timeout passed first: the row as last read.
     Unfinished(JobRow),
-    /// No such job: never enqueued, or deleted (`rowq discard`, retention, by hand) before it
-    /// was read finished; `seen` was called before, for the latter, if it was read at all.
+    /// The job was read, then was gone before it was read finished (`rowq discard`,
+    /// retention, a `DELETE` by hand): the row as last read.
+    Deleted(JobRow),
+    /// No such job at the first read.
     Missing,
 }
 
@@ -190,13 +189,12 @@ pub async fn wait_finished(
 ) -> Result<Waited, sqlx::Error> {
     let deadline = timeout.map(|timeout| tokio::time::Instant::now() + timeout);
     let mut pause = WAIT_FIRST_POLL;
-    let mut last = None;
+    let mut previous: Option<JobRow> = None;
     loop {
         let Some(row) = get(pool, id).await? else {
-            return Ok(Waited::Missing);
+            return Ok(previous.map_or(Waited::Missing, Waited::Deleted));
         };
-        if last != Some((row.state, row.attempts)) {
-            last = Some((row.state, row.attempts));
+        if previous.as_ref().map(|before| (before.state, before.attempts)) != Some((row.state, row.attempts)) {
             seen(&row);
         }
         if row.state.is_terminal() {
@@ -210,6 +208,7 @@ pub async fn wait_finished(
         };
         tokio::time::sleep(sleep).await;
         pause = (pause * 2).min(WAIT_MAX_POLL);
+        previous = Some(row);
     }
 }
 

@@ -36,18 +36,23 @@ pub async fn sqs() -> Client {
 
 /// An SQS client for any endpoint (an unreachable one simulates an outage).
 pub async fn sqs_at(endpoint: &str) -> Client {
+    Client::new(&aws_at(endpoint).await)
+}
+
+/// The AWS settings of a test's clients (SQS, Secrets Manager) for `endpoint`: LocalStack's
+/// region and credentials, and timeouts that make an unreachable endpoint fail fast.
+pub async fn aws_at(endpoint: &str) -> aws_config::SdkConfig {
     let timeouts = aws_config::timeout::TimeoutConfig::builder()
         .connect_timeout(Duration::from_secs(2))
         .operation_attempt_timeout(Duration::from_secs(25))
         .build();
-    let config = rowq::sqs::aws_config()
+    rowq::sqs::aws_config()
         .endpoint_url(endpoint)
         .region(Region::new("us-east-1"))
         .credentials_provider(Credentials::new("test", "test", None, None, "rowq-tests"))
         .timeout_config(timeouts)
         .load()
-        .await;
-    Client::new(&config)
+        .await
 }
 
 /// A fresh FIFO queue and DLQ with a unique name.
