@@ -38,6 +38,13 @@ fn work_reporting_metrics(pool: &PgPool, queue_url: &str, settings: &[(&str, &st
     work.spawn().expect("start rowq work")
 }
 
+/// Whether every message of the queue has been received and deleted: a batch handler has
+/// returned (and printed what it prints) for each.
+async fn handled_and_deleted(client: &aws_sdk_sqs::Client, queue_url: &str) -> bool {
+    let depth = rowq::sqs::queue_depth(client, queue_url).await.expect("the queue's depth");
+    (depth.visible, depth.in_flight) == (0, 0)
+}
+
 /// `rowq ARGS` on the test's database, to run or spawn.
 fn rowq_command(pool: &PgPool, args: &[&str]) -> Command {
     let mut rowq = command(env!("CARGO_BIN_EXE_rowq"), pool);
@@ -310,17 +317,9 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
         .fetch_one(&pool)
         .await
         .unwrap();
-        // Every message handled and deleted, the stale one too.
-        let attributes = client
-            .get_queue_attributes()
-            .queue_url(&queues.queue_url)
-            .attribute_names(aws_sdk_sqs::types::QueueAttributeName::All)
-            .send()
-            .await
-            .unwrap();
-        let waiting = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
-            .map(|name| attributes.attributes().and_then(|all| all.get(&name.into())).map(String::as_str) == Some("0"));
-        if (counts == (4, 1) && waiting == [true, true]) || started.elapsed() > Duration::from_secs(30) {
+        // Every message handled and deleted, the stale one too: its batch's metrics are printed.
+        let emptied = handled_and_deleted(&client, &queues.queue_url).await;
+        if (counts == (4, 1) && emptied) || started.elapsed() > Duration::from_secs(30) {
             break counts;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -388,7 +387,12 @@ async fn the_dlq_handler_prints_the_jobs_it_failed_by_kind_as_cloudwatch_metrics
 
     let worker = work_reporting_metrics(&pool, &queues.queue_url, &[("ROWQ_DLQ_URL", &queues.dlq_url)]);
     let started = std::time::Instant::now();
-    while common::job(&pool, id).await.state != rowq::JobState::Failed && started.elapsed() < Duration::from_secs(30) {
+    // The job is failed when the handler's statement commits; its metrics line is printed once
+    // the batch is done, before its message is deleted.
+    while !(common::job(&pool, id).await.state == rowq::JobState::Failed
+        && handled_and_deleted(&client, &queues.dlq_url).await)
+        && started.elapsed() < Duration::from_secs(30)
+    {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let mut worker = worker;
