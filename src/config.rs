@@ -236,6 +236,9 @@ pub struct SchedulerConfig {
     /// `ROWQ_METRICS_NAMESPACE`: report the queue's gauges under this CloudWatch namespace, as
     /// Embedded Metric Format lines on stdout ([`crate::metrics`]); `None` reports nothing.
     pub metrics_namespace: Option<String>,
+    /// `ROWQ_HEALTH_LISTEN`: serve `/livez` and `/readyz` on this address ([`crate::health`]),
+    /// when the scheduler runs as a service; `None` serves nothing.
+    pub health_listen: Option<std::net::SocketAddr>,
 }
 
 impl SchedulerConfig {
@@ -265,8 +268,20 @@ impl SchedulerConfig {
             drain_for: env.secs_or_off("ROWQ_DRAIN_SECS", 0, 0..=MAX_FUNCTION_TIMEOUT_SECS * 100)?,
             cleanup_warn_after: env.secs_or_off("ROWQ_CLEANUP_WARN_SECS", DEFAULT_CLEANUP_WARN_SECS, 0..=7 * 86_400)?,
             metrics_namespace: metrics_namespace(env)?,
+            health_listen: health_listen(env)?,
         })
     }
+}
+
+/// `ROWQ_HEALTH_LISTEN`: an IP address and port, as `0.0.0.0:8080` (every interface, in a
+/// container) or `127.0.0.1:8080`.
+fn health_listen(env: &Env<'_>) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+    let Some(raw) = env.optional("ROWQ_HEALTH_LISTEN") else { return Ok(None) };
+    raw.trim().parse().map(Some).map_err(|_| ConfigError::Invalid {
+        name: "ROWQ_HEALTH_LISTEN",
+        value: raw,
+        reason: "must be an IP address and a port, as 0.0.0.0:8080".into(),
+    })
 }
 
 /// `ROWQ_RETENTION_HOURS` and `ROWQ_FAILED_RETENTION_HOURS`, which is the first unless set.
@@ -441,6 +456,17 @@ mod tests {
         assert_eq!(config.retention, Duration::from_secs(DEFAULT_RETENTION_HOURS * 3600).into());
         assert_eq!(config.metrics_namespace, None);
         assert_eq!(config.max_dispatch_rate, None);
+        assert_eq!(config.health_listen, None);
+    }
+
+    #[test]
+    fn the_health_endpoint_listens_on_an_address_and_port() {
+        let config = scheduler(&[DB, QUEUE, ("ROWQ_HEALTH_LISTEN", "0.0.0.0:8080")]).unwrap();
+        assert_eq!(config.health_listen, Some(std::net::SocketAddr::from(([0, 0, 0, 0], 8080))));
+        for bad in ["8080", "localhost:8080", "0.0.0.0"] {
+            let error = scheduler(&[DB, QUEUE, ("ROWQ_HEALTH_LISTEN", bad)]).unwrap_err();
+            assert!(matches!(error, ConfigError::Invalid { name: "ROWQ_HEALTH_LISTEN", .. }), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -19,6 +19,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::watch;
 
 use crate::config::SchedulerConfig;
+use crate::health::Health;
 use crate::job::{JobId, JobMessage};
 use crate::maintenance;
 use crate::sqs::{EntryFailure, MAX_BATCH, Outgoing, Publisher, SqsError};
@@ -87,6 +88,8 @@ pub struct Scheduler<P> {
     metrics_report: NotBefore,
     /// `ROWQ_MAX_DISPATCH_RATE`, when set.
     rate: Option<DispatchRate>,
+    /// What the loop last did, for the health endpoint ([`crate::health`]).
+    health: std::sync::Arc<Health>,
 }
 
 /// A token bucket of claimed rows for `ROWQ_MAX_DISPATCH_RATE`. It holds a tenth of a
@@ -166,6 +169,7 @@ impl NotBefore {
 impl<P: Publisher> Scheduler<P> {
     pub fn new(pool: PgPool, publisher: P, config: SchedulerConfig) -> Self {
         let rate = config.max_dispatch_rate.map(DispatchRate::new);
+        let health = std::sync::Arc::new(Health::new(config.poll_interval));
         Scheduler {
             pool,
             publisher,
@@ -173,7 +177,13 @@ impl<P: Publisher> Scheduler<P> {
             cleanup_check: NotBefore::default(),
             metrics_report: NotBefore::default(),
             rate,
+            health,
         }
+    }
+
+    /// The loop's health, as the health endpoint reads it.
+    pub fn health(&self) -> std::sync::Arc<Health> {
+        self.health.clone()
     }
 
     pub fn publisher(&self) -> &P {
@@ -236,6 +246,7 @@ impl<P: Publisher> Scheduler<P> {
             tokio::select! {
                 Some((returned, claim, allowed)) = OptionFuture::from(claiming.as_mut().as_pin_mut()), if claiming.is_some() => {
                     claiming.set(None);
+                    self.health.beat();
                     listener = returned;
                     match claim {
                         Ok(claim) => unsent.extend(self.claimed(claim, allowed, &mut report)),
@@ -243,6 +254,7 @@ impl<P: Publisher> Scheduler<P> {
                     }
                 }
                 Some((batch, result)) = sends.next(), if !sends.is_empty() => {
+                    self.health.beat();
                     let failed = self.sent(&batch, result, &mut report);
                     if let Err(release_error) = self.release(&failed, &mut report).await {
                         error.get_or_insert(release_error);
@@ -250,6 +262,8 @@ impl<P: Publisher> Scheduler<P> {
                 }
             }
         }
+        let failure = error.as_ref().map(ToString::to_string).or_else(|| report.publish_error.clone());
+        self.health.pass_ended(failure);
         (report, error)
     }
 

@@ -20,7 +20,7 @@ use crate::dispatch::{self, Scheduler};
 use crate::handlers::Registry;
 use crate::sqs::{self, SqsPublisher};
 use crate::worker::{self, Worker};
-use crate::{dlq, secret, store};
+use crate::{dlq, health, secret, store};
 
 /// What a binary reports when it cannot start or stops on an error.
 pub type Error = lambda_runtime::Error;
@@ -62,6 +62,15 @@ pub fn dlq_handler(mut config: WorkerConfig) -> Result<(), Error> {
     block_on(async move { dlq::run_lambda(lazy_pool(&mut config.database).await?, config.metrics).await })
 }
 
+/// `scheduler --health-check`: whether the scheduler of this configuration, running beside it,
+/// answers `/livez` with 200 ([`health::check`]); prints its answer.
+pub fn scheduler_health_check(config: &SchedulerConfig) -> Result<(), Error> {
+    let address =
+        config.health_listen.ok_or("--health-check asks the scheduler on ROWQ_HEALTH_LISTEN, which is not set")?;
+    println!("{}", health::check(address, "/livez")?);
+    Ok(())
+}
+
 /// The scheduler: migrates, then publishes to `ROWQ_QUEUE_URL` until SIGTERM or SIGINT (with
 /// `once`, until nothing more is due); on Lambda, one bounded drain per invocation.
 pub fn scheduler(mut config: SchedulerConfig, once: bool) -> Result<(), Error> {
@@ -72,11 +81,20 @@ pub fn scheduler(mut config: SchedulerConfig, once: bool) -> Result<(), Error> {
             .map_err(|error| format!("cannot connect to {}: {error}", config::redact_url(&config.database.url)))?;
         store::migrate(&pool).await.map_err(|error| format!("cannot apply migrations: {error}"))?;
         let publisher = SqsPublisher::new(sqs::client().await, config.queue_url.clone());
+        let health_listen = config.health_listen;
         let scheduler = Scheduler::new(pool, publisher, config);
         if config::on_lambda() {
             return dispatch::run_lambda(scheduler).await;
         }
+        // Bound before the loop starts: an address in use stops the scheduler with its name.
+        let health = match health_listen {
+            Some(address) => Some(tokio::spawn(health::serve(health::bind(address).await?, scheduler.health()))),
+            None => None,
+        };
         scheduler.run(dispatch::shutdown_on_signals(), once).await;
+        if let Some(server) = health {
+            server.abort();
+        }
         Ok(())
     })
 }

@@ -28,6 +28,7 @@
 //! - [`dlq`]: the dead-letter handler.
 //! - [`event_source`]: the local stand-in for Lambda's SQS event source mapping.
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished rows.
+//! - [`health`]: the scheduler's `/livez` and `/readyz` over HTTP (`ROWQ_HEALTH_LISTEN`).
 //! - [`metrics`]: CloudWatch Embedded Metric Format lines: the scheduler's gauges of its queue,
 //!   what each of the worker's batches did by kind, the jobs the DLQ handler failed.
 //! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
@@ -50,6 +51,7 @@ pub mod dlq;
 pub mod entry;
 pub mod event_source;
 pub mod handlers;
+pub mod health;
 pub mod job;
 pub mod maintenance;
 pub mod metrics;

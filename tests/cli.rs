@@ -965,3 +965,131 @@ async fn a_wait_ends_with_the_job_and_its_exit_code_says_how_it_ended() {
     assert_eq!(again, json!({"id": null, "enqueued": false, "held_by": without_wait["id"]}));
     pipeline.stop().await;
 }
+
+/// A `scheduler` running as a service (until killed, also when the test fails) with its
+/// health endpoint on a free port of 127.0.0.1.
+struct SchedulerService {
+    child: Child,
+    address: String,
+}
+
+impl SchedulerService {
+    fn start(pool: &PgPool, queue_url: &str, env: &[(&str, &str)]) -> Self {
+        // A port the system has just handed out and taken back: free for the scheduler to bind.
+        let address = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .to_string();
+        let child = command(env!("CARGO_BIN_EXE_scheduler"), pool)
+            .env("ROWQ_QUEUE_URL", queue_url)
+            .env("ROWQ_HEALTH_LISTEN", &address)
+            .env("ROWQ_POLL_INTERVAL_MS", "100")
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start the scheduler");
+        SchedulerService { child, address }
+    }
+
+    /// `GET path`: the status code and the JSON body; `None` while nothing answers.
+    async fn get(&self, path: &str) -> Option<(u16, Value)> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(&self.address).await.ok()?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n", self.address);
+        stream.write_all(request.as_bytes()).await.ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.ok()?;
+        let code = response.split(' ').nth(1)?.parse().ok()?;
+        let (head, body) = response.split_once("\r\n\r\n")?;
+        assert!(head.contains("Content-Type: application/json"), "{head}");
+        Some((code, serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))))
+    }
+
+    /// Polls `path` until `until` holds of its answer (30 s at most); returns the last answer.
+    async fn wait_for(&self, path: &str, until: impl Fn(u16, &Value) -> bool) -> (u16, Value) {
+        let started = std::time::Instant::now();
+        loop {
+            let answer = self.get(path).await;
+            match answer {
+                Some((code, body)) if until(code, &body) || started.elapsed() > Duration::from_secs(30) => {
+                    return (code, body);
+                }
+                None if started.elapsed() > Duration::from_secs(30) => panic!("nothing answers on {}", self.address),
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+}
+
+/// `scheduler --health-check` with `ROWQ_HEALTH_LISTEN=listen`, as a container's health check runs it.
+fn health_check(pool: &PgPool, queue_url: &str, listen: &str) -> Output {
+    command(env!("CARGO_BIN_EXE_scheduler"), pool)
+        .arg("--health-check")
+        .env("ROWQ_QUEUE_URL", queue_url)
+        .env("ROWQ_HEALTH_LISTEN", listen)
+        .output()
+        .expect("run scheduler --health-check")
+}
+
+impl Drop for SchedulerService {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `ROWQ_HEALTH_LISTEN`: a scheduler run as a service says on `/readyz` that it dispatches,
+/// on `/livez` that its loop turns, and answers anything else 404.
+#[tokio::test]
+async fn the_scheduler_service_answers_ready_once_it_has_dispatched() {
+    let pool = common::database().await;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+
+    let service = SchedulerService::start(&pool, &queues.queue_url, &[]);
+    let (code, body) = service.wait_for("/readyz", |code, _| code == 200).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!((&body["live"], &body["ready"], &body["error"]), (&json!(true), &json!(true), &Value::Null), "{body}");
+    assert!(body["last_beat_ms_ago"].as_u64().is_some_and(|ms| ms < 30_000), "{body}");
+    assert_eq!(common::job(&pool, id).await.state, rowq::JobState::Dispatched, "ready, so the job went out");
+    assert_eq!(service.get("/livez").await.map(|(code, _)| code), Some(200));
+    assert_eq!(service.get("/metrics").await.map(|(code, _)| code), Some(404));
+    // The container's check, given the address the scheduler listens on for every interface.
+    let port = service.address.rsplit(':').next().expect("a port");
+    let check = health_check(&pool, &queues.queue_url, &format!("0.0.0.0:{port}"));
+    assert!(check.status.success(), "{}", stderr(&check));
+    assert_eq!(parsed(&["scheduler", "--health-check"], &check)["live"], json!(true));
+}
+
+/// With SQS unreachable the scheduler is not ready, naming why, and still live: its loop turns
+/// (a restart would not bring SQS back). The job it could not publish waits, attempts unspent.
+#[tokio::test]
+async fn the_scheduler_service_is_live_and_not_ready_while_sqs_is_unreachable() {
+    let pool = common::database().await;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    // A port nothing listens on: every SQS call is refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+    let unreachable = format!("http://{closed}");
+
+    let service = SchedulerService::start(&pool, &queues.queue_url, &[("AWS_ENDPOINT_URL", &unreachable)]);
+    let passed = |body: &Value| body["error"].as_str().is_some_and(|e| !e.contains("no dispatch pass"));
+    let (code, body) = service.wait_for("/readyz", |_, body| passed(body)).await;
+    assert_eq!(code, 503, "{body}");
+    assert_eq!((&body["live"], &body["ready"]), (&json!(true), &json!(false)), "{body}");
+    assert!(passed(&body), "{body}");
+    let (code, body) = service.get("/livez").await.expect("an answer");
+    assert_eq!(code, 200, "{body}");
+    // Released after each failed send (or claimed again, its send under way): never started.
+    let job = common::job(&pool, id).await;
+    assert!(matches!(job.state, rowq::JobState::Pending | rowq::JobState::Dispatched), "{job:?}");
+    assert_eq!((job.attempts, job.started_at), (0, None), "{job:?}");
+    // Live, so the container's check passes; where nothing listens, it fails, saying so.
+    assert!(health_check(&pool, &queues.queue_url, &service.address).status.success());
+    let check = health_check(&pool, &queues.queue_url, &closed.to_string());
+    assert!(!check.status.success());
+    assert!(stderr(&check).contains(&format!("no health answer on {closed}")), "{}", stderr(&check));
+}

@@ -175,6 +175,7 @@ pub fn scheduler_config(queue_url: &str) -> SchedulerConfig {
         drain_for: None,
         cleanup_warn_after: None,
         metrics_namespace: None,
+        health_listen: None,
     }
 }
 
