@@ -274,8 +274,9 @@ impl SchedulerConfig {
 }
 
 /// `ROWQ_HEALTH_LISTEN`: an IP address and port, as `0.0.0.0:8080` (every interface, in a
-/// container) or `127.0.0.1:8080`.
-fn health_listen(env: &Env<'_>) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+/// container) or `127.0.0.1:8080`. The scheduler's is in [`SchedulerConfig`]; `rowq work`
+/// reads it here.
+pub fn health_listen(env: &Env<'_>) -> Result<Option<std::net::SocketAddr>, ConfigError> {
     let Some(raw) = env.optional("ROWQ_HEALTH_LISTEN") else { return Ok(None) };
     raw.trim().parse().map(Some).map_err(|_| ConfigError::Invalid {
         name: "ROWQ_HEALTH_LISTEN",

@@ -169,7 +169,8 @@ impl NotBefore {
 impl<P: Publisher> Scheduler<P> {
     pub fn new(pool: PgPool, publisher: P, config: SchedulerConfig) -> Self {
         let rate = config.max_dispatch_rate.map(DispatchRate::new);
-        let health = std::sync::Arc::new(Health::new(config.poll_interval));
+        // Idle, the loop beats once per poll interval: three missed are a stuck loop.
+        let health = std::sync::Arc::new(Health::new("dispatch", config.poll_interval * 3));
         Scheduler {
             pool,
             publisher,
@@ -263,7 +264,7 @@ impl<P: Publisher> Scheduler<P> {
             }
         }
         let failure = error.as_ref().map(ToString::to_string).or_else(|| report.publish_error.clone());
-        self.health.pass_ended(failure);
+        self.health.record("pass", failure);
         (report, error)
     }
 

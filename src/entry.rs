@@ -62,11 +62,12 @@ pub fn dlq_handler(mut config: WorkerConfig) -> Result<(), Error> {
     block_on(async move { dlq::run_lambda(lazy_pool(&mut config.database).await?, config.metrics).await })
 }
 
-/// `scheduler --health-check`: whether the scheduler of this configuration, running beside it,
-/// answers `/livez` with 200 ([`health::check`]); prints its answer.
-pub fn scheduler_health_check(config: &SchedulerConfig) -> Result<(), Error> {
-    let address =
-        config.health_listen.ok_or("--health-check asks the scheduler on ROWQ_HEALTH_LISTEN, which is not set")?;
+/// `scheduler --health-check`, `rowq work --health-check`: whether the process serving
+/// `ROWQ_HEALTH_LISTEN` beside it answers `/livez` with 200 ([`health::check`]); prints its
+/// answer. It reads no other setting.
+pub fn health_check() -> Result<(), Error> {
+    let address = config::health_listen(&config::Env::new(&config::process_env))?
+        .ok_or("--health-check asks the process serving ROWQ_HEALTH_LISTEN, which is not set")?;
     println!("{}", health::check(address, "/livez")?);
     Ok(())
 }
@@ -86,15 +87,8 @@ pub fn scheduler(mut config: SchedulerConfig, once: bool) -> Result<(), Error> {
         if config::on_lambda() {
             return dispatch::run_lambda(scheduler).await;
         }
-        // Bound before the loop starts: an address in use stops the scheduler with its name.
-        let health = match health_listen {
-            Some(address) => Some(tokio::spawn(health::serve(health::bind(address).await?, scheduler.health()))),
-            None => None,
-        };
+        let _health = health::start(health_listen, vec![scheduler.health()]).await?;
         scheduler.run(dispatch::shutdown_on_signals(), once).await;
-        if let Some(server) = health {
-            server.abort();
-        }
         Ok(())
     })
 }

@@ -25,10 +25,14 @@ use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, Message, MessageSystemAttributeName};
 use tokio::sync::{oneshot, watch};
 
+use crate::health::Health;
 use crate::sqs::{self, MAX_BATCH, SqsError};
 
 /// Pause after a failed receive, so an unreachable endpoint is not hammered.
 const RECEIVE_RETRY_DELAY: Duration = Duration::from_secs(1);
+/// Time past a batch's deadline for its outcomes to be recorded and its messages deleted,
+/// before a poller that has not come back counts as stuck.
+const HEALTH_SLACK: Duration = Duration::from_secs(30);
 
 /// Given to the handler with each batch, to send on when the batch's handlers have returned
 /// and only its outcomes are left to record ([`crate::Worker::handle_batch_then`]): the poller
@@ -54,6 +58,8 @@ pub struct EventSource {
     wait: Duration,
     function_timeout: Duration,
     totals: EventSourceTotals,
+    /// What its pollers last did, for the health endpoint of `rowq work` ([`crate::health`]).
+    health: Arc<Health>,
 }
 
 impl EventSource {
@@ -66,6 +72,9 @@ impl EventSource {
     ) -> Result<Self, SqsError> {
         let queue_arn = sqs::queue_arn(&client, queue_url).await?;
         let region = queue_arn.split(':').nth(3).unwrap_or("us-east-1").to_string();
+        let name = queue_url.rsplit('/').next().unwrap_or(queue_url);
+        // A poller beats once per long poll, or once per batch, which its deadline bounds.
+        let health = Arc::new(Health::new(format!("queue {name}"), wait + function_timeout + HEALTH_SLACK));
         Ok(EventSource {
             client,
             queue_url: queue_url.to_string(),
@@ -74,7 +83,13 @@ impl EventSource {
             wait,
             function_timeout,
             totals: EventSourceTotals::default(),
+            health,
         })
+    }
+
+    /// Its pollers' health, as the health endpoint reads it.
+    pub fn health(&self) -> Arc<Health> {
+        self.health.clone()
     }
 
     pub fn totals(&self) -> &EventSourceTotals {
@@ -147,7 +162,7 @@ impl EventSource {
     }
 
     async fn receive(&self) -> Result<Vec<Message>, SqsError> {
-        let output = self
+        let received = self
             .client
             .receive_message()
             .queue_url(&self.queue_url)
@@ -156,8 +171,10 @@ impl EventSource {
             .message_system_attribute_names(MessageSystemAttributeName::All)
             .send()
             .await
-            .map_err(|e| SqsError::call("ReceiveMessage", &self.queue_url, e))?;
-        Ok(output.messages.unwrap_or_default())
+            .map(|output| output.messages.unwrap_or_default())
+            .map_err(|e| SqsError::call("ReceiveMessage", &self.queue_url, e));
+        self.health.record("receive", received.as_ref().err().map(ToString::to_string));
+        received
     }
 
     async fn deliver<H, F>(&self, messages: Vec<Message>, handler: &H, poller: usize, returned: HandlersReturned)
@@ -179,6 +196,15 @@ impl EventSource {
         let done: Vec<&Message> =
             messages.iter().filter(|m| !failed.contains(m.message_id().unwrap_or_default())).collect();
         self.delete(&done).await;
+        let handed_back = (!failed.is_empty()).then(|| {
+            format!(
+                "{} of the last batch's {} messages were handed back for redelivery: the database \
+                 unreachable, or no time left (the worker's log says which)",
+                failed.len(),
+                messages.len()
+            )
+        });
+        self.health.record("batch", handed_back);
     }
 
     /// The record as the Lambda service builds it.

@@ -1,17 +1,20 @@
-//! The scheduler's health over HTTP (`ROWQ_HEALTH_LISTEN`), for an orchestrator that runs it as
-//! a long-lived service (ECS, Kubernetes, Nomad, a load balancer's target check).
+//! Health over HTTP (`ROWQ_HEALTH_LISTEN`) for an orchestrator that runs the scheduler, or
+//! `rowq work`, as a long-lived service (ECS, Kubernetes, Nomad).
 //!
-//! The dispatch loop beats each time a claim or a `SendMessageBatch` call completes
-//! ([`Health::beat`]) and, at the end of each pass, records what failed in it, if anything
-//! ([`Health::pass_ended`]). Two paths answer from those:
+//! Each loop has a [`Health`]: it beats each time a step of the loop completes (a claim or a
+//! `SendMessageBatch` call of the scheduler; a receive or a batch of an event source's pollers)
+//! and records how each kind of step last ended ([`Health::record`]). Two paths answer from
+//! those, over every loop of the process:
 //!
-//! - `GET /livez`: 200 while the loop turns: a beat within [`Health::stale_after`] (before the
-//!   first beat, that long after start). A scheduler whose loop is stuck (a statement that never
-//!   returns on a connection the network dropped without a word) answers 503, and an
-//!   orchestrator that restarts it on that fixes it. A database or SQS that is down does not make
-//!   it fail: the loop goes on trying (and beating), and a restart would not bring either back.
-//! - `GET /readyz`: 200 when the loop turns and its last pass claimed and published without an
-//!   error: it is dispatching. 503 otherwise, naming the error (and before the first pass ends).
+//! - `GET /livez`: 200 while every loop turns: a beat within its [`Health::stale_after`] (before
+//!   the first beat, that long after start). A loop that is stuck (a statement that never
+//!   returns on a connection the network dropped without a word; a handler that blocks the
+//!   thread) answers 503, and an orchestrator that restarts it on that fixes it. A database or
+//!   SQS that is down does not make it fail: the loop goes on trying (and beating), and a
+//!   restart would not bring either back.
+//! - `GET /readyz`: 200 when every loop turns and the last of each kind of step succeeded: it
+//!   is dispatching, or receiving and recording outcomes. 503 otherwise, naming the errors (and
+//!   before any step has completed).
 //!
 //! Each answers a small JSON object: `{"live":true,"ready":false,"last_beat_ms_ago":120,
 //! "error":"..."}`. The server reads one request per connection and closes it; it serves
@@ -24,9 +27,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-/// How long the loop may go without a beat before `/livez` fails, at the least. The loop beats
-/// at least once per poll interval while idle, and once per back-off (10 s at most) while the
-/// database or SQS fails.
+/// How long a loop may go without a beat before `/livez` fails, at the least. The scheduler's
+/// loop beats at least once per poll interval while idle, and once per back-off (10 s at most)
+/// while the database or SQS fails; a poller once per long poll, or per batch.
 pub const MIN_STALE_AFTER: Duration = Duration::from_secs(60);
 
 /// How much of a request is read: a request line and a few headers.
@@ -34,9 +37,11 @@ const MAX_REQUEST: usize = 2048;
 /// How long a client may take to send its request.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The dispatch loop's last beat and last pass, shared with the health server.
+/// One loop's last beat, and how each kind of its steps last ended, shared with the server.
 #[derive(Debug)]
 pub struct Health {
+    /// What the loop is, in the errors: `dispatch`, `queue rowq-jobs.fifo`.
+    label: String,
     started: Instant,
     stale_after: Duration,
     last: Mutex<Last>,
@@ -45,30 +50,31 @@ pub struct Health {
 #[derive(Debug, Clone, Default)]
 struct Last {
     beat: Option<Instant>,
-    /// How the last pass ended: `Some(None)` without an error; `None` before the first.
-    pass: Option<Option<String>>,
+    /// Each kind of step recorded, with the error its last one ended with.
+    steps: Vec<(&'static str, Option<String>)>,
 }
 
 /// What the health paths report, at one moment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Status {
-    /// The loop turns: it beat within `stale_after` (or started less than that ago).
+    /// Every loop turns: each beat within its `stale_after` (or started less than that ago).
     pub live: bool,
-    /// It turns, and its last pass ended without an error.
+    /// Every loop turns, and the last of each kind of its steps succeeded.
     pub ready: bool,
-    /// Since the last beat; `None` before the first.
+    /// Since the oldest of the loops' last beats; `None` while one has not beaten yet.
     pub since_beat: Option<Duration>,
-    /// Why it is not ready: the last pass's error, a stuck loop, or no pass yet.
+    /// Why it is not ready, loop by loop: a failed step, a stuck loop, nothing done yet.
     pub error: Option<String>,
 }
 
 impl Health {
-    /// A loop polled at least every `poll_interval` when idle: it is stale after three of
-    /// those, and never before [`MIN_STALE_AFTER`].
-    pub fn new(poll_interval: Duration) -> Self {
+    /// A loop named `label` that counts as stuck after `stale_after` without a beat (never
+    /// less than [`MIN_STALE_AFTER`]).
+    pub fn new(label: impl Into<String>, stale_after: Duration) -> Self {
         Health {
+            label: label.into(),
             started: Instant::now(),
-            stale_after: MIN_STALE_AFTER.max(poll_interval * 3),
+            stale_after: stale_after.max(MIN_STALE_AFTER),
             last: Mutex::new(Last::default()),
         }
     }
@@ -81,16 +87,21 @@ impl Health {
         self.stale_after
     }
 
-    /// A claim or a send completed, well or not: the loop turns.
+    /// A step completed, well or not: the loop turns.
     pub fn beat(&self) {
         self.last().beat = Some(Instant::now());
     }
 
-    /// A pass ended, with `error` if a claim, a send or a release failed in it.
-    pub fn pass_ended(&self, error: Option<String>) {
+    /// A step of kind `step` ended, with `error` if it failed; it beats too. Ready needs the
+    /// last of every kind recorded to have ended well: a poller's empty receive does not
+    /// clear the error of its last batch.
+    pub fn record(&self, step: &'static str, error: Option<String>) {
         let mut last = self.last();
         last.beat = Some(Instant::now());
-        last.pass = Some(error);
+        match last.steps.iter_mut().find(|(kind, _)| *kind == step) {
+            Some(slot) => slot.1 = error,
+            None => last.steps.push((step, error)),
+        }
     }
 
     pub fn status(&self) -> Status {
@@ -101,36 +112,70 @@ impl Health {
         let last = self.last().clone();
         let since_beat = last.beat.map(|at| now.saturating_duration_since(at));
         let live = since_beat.unwrap_or_else(|| now.saturating_duration_since(self.started)) <= self.stale_after;
-        let error = last.pass.unwrap_or_else(|| Some("no dispatch pass has ended yet".to_string()));
-        let ready = live && error.is_none();
+        let failed: Vec<String> = last.steps.iter().filter_map(|(_, error)| error.clone()).collect();
         let error = match (live, since_beat) {
             (false, Some(since)) => Some(format!(
-                "the dispatch loop has not completed a claim or send for {} s (more than {} s)",
+                "nothing has completed for {} s (more than {} s): the loop is stuck",
                 since.as_secs(),
                 self.stale_after.as_secs()
             )),
-            _ => error,
+            _ if last.steps.is_empty() => Some("nothing has completed yet".to_string()),
+            _ if !failed.is_empty() => Some(failed.join("; ")),
+            _ => None,
         };
-        Status { live, ready, since_beat, error }
+        let ready = live && error.is_none();
+        Status { live, ready, since_beat, error: error.map(|error| format!("{}: {error}", self.label)) }
     }
 }
 
-/// Binds `address` for [`serve`]; the error names the setting.
-pub async fn bind(address: SocketAddr) -> Result<TcpListener, String> {
-    TcpListener::bind(address).await.map_err(|error| format!("cannot listen on ROWQ_HEALTH_LISTEN={address}: {error}"))
+/// The status of a process of several loops: live and ready when each is; the errors of all.
+pub fn combined(loops: &[Arc<Health>]) -> Status {
+    let statuses: Vec<Status> = loops.iter().map(|health| health.status()).collect();
+    let errors: Vec<&str> = statuses.iter().filter_map(|status| status.error.as_deref()).collect();
+    Status {
+        live: statuses.iter().all(|status| status.live),
+        ready: statuses.iter().all(|status| status.ready),
+        since_beat: statuses
+            .iter()
+            .map(|status| status.since_beat)
+            .collect::<Option<Vec<_>>>()
+            .and_then(|since| since.into_iter().max()),
+        error: (!errors.is_empty()).then(|| errors.join("; ")),
+    }
 }
 
-/// Answers health requests on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, health: Arc<Health>) {
+/// The health endpoint, served in a task of its own until this is dropped.
+#[derive(Debug)]
+pub struct Server(tokio::task::JoinHandle<()>);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Serves `loops` on `address` (`ROWQ_HEALTH_LISTEN`), if it is set: bound before this returns,
+/// so that an address in use stops the process at start, with the setting's name.
+pub async fn start(address: Option<SocketAddr>, loops: Vec<Arc<Health>>) -> Result<Option<Server>, String> {
+    let Some(address) = address else { return Ok(None) };
+    let listener = TcpListener::bind(address)
+        .await
+        .map_err(|error| format!("cannot listen on ROWQ_HEALTH_LISTEN={address}: {error}"))?;
+    Ok(Some(Server(tokio::spawn(serve(listener, loops)))))
+}
+
+/// Answers health requests on `listener`, from `loops`, until the task is dropped.
+async fn serve(listener: TcpListener, loops: Vec<Arc<Health>>) {
+    let loops: Arc<[Arc<Health>]> = loops.into();
     if let Ok(address) = listener.local_addr() {
         tracing::info!(%address, "health endpoint listening (/livez, /readyz)");
     }
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let health = health.clone();
+                let loops = loops.clone();
                 tokio::spawn(async move {
-                    if let Err(error) = answer(stream, &health).await {
+                    if let Err(error) = answer(stream, &loops).await {
                         tracing::debug!(error = %error, "health request not answered");
                     }
                 });
@@ -144,7 +189,7 @@ pub async fn serve(listener: TcpListener, health: Arc<Health>) {
     }
 }
 
-async fn answer(mut stream: TcpStream, health: &Health) -> std::io::Result<()> {
+async fn answer(mut stream: TcpStream, loops: &[Arc<Health>]) -> std::io::Result<()> {
     let mut request = Vec::with_capacity(256);
     let read = tokio::time::timeout(READ_TIMEOUT, async {
         let mut chunk = [0u8; 512];
@@ -162,7 +207,7 @@ async fn answer(mut stream: TcpStream, health: &Health) -> std::io::Result<()> {
         Ok(result) => result?,
         Err(_elapsed) => return Ok(()), // no request in time: close
     }
-    let (code, body) = respond(&request, health.status());
+    let (code, body) = respond(&request, combined(loops));
     let reason = match code {
         200 => "OK",
         404 => "Not Found",
@@ -239,49 +284,73 @@ fn respond(request: &[u8], status: Status) -> (u16, String) {
 mod tests {
     use super::*;
 
-    fn health() -> Health {
-        Health::new(Duration::from_millis(500))
+    fn last_beat(health: &Health) -> Instant {
+        health.last().beat.expect("a beat")
     }
 
     #[test]
-    fn the_loop_is_live_until_it_misses_beats_and_ready_only_after_a_beat_without_an_error() {
-        let health = health();
+    fn a_loop_is_live_until_it_misses_beats_and_ready_once_each_kind_of_step_last_ended_well() {
+        let health = Health::new("dispatch", Duration::from_secs(1));
         assert_eq!(health.stale_after(), MIN_STALE_AFTER);
         let start = health.started;
-        let last_beat = || health.last().beat.expect("a beat");
         // Before the first beat: live for as long as a beat may take, never ready.
         let status = health.status_at(start + Duration::from_secs(1));
         assert_eq!((status.live, status.ready, status.since_beat), (true, false, None));
-        assert_eq!(status.error.as_deref(), Some("no dispatch pass has ended yet"));
+        assert_eq!(status.error.as_deref(), Some("dispatch: nothing has completed yet"));
         assert!(!health.status_at(start + MIN_STALE_AFTER + Duration::from_secs(1)).live);
 
-        // A claim completed: live, and not yet ready, as the pass has not ended.
+        // A step completed, none recorded yet: live, not ready.
         health.beat();
-        let status = health.status_at(last_beat());
+        let status = health.status_at(last_beat(&health));
         assert_eq!((status.live, status.ready), (true, false));
 
-        health.pass_ended(None);
-        let status = health.status_at(last_beat() + Duration::from_secs(2));
+        health.record("pass", None);
+        let status = health.status_at(last_beat(&health) + Duration::from_secs(2));
         assert_eq!(status, Status { live: true, ready: true, since_beat: Some(Duration::from_secs(2)), error: None });
 
-        // A failed pass is not ready until a pass ends well, whatever beats come between.
-        health.pass_ended(Some("SQS is unreachable".into()));
+        // A failed step is not ready until a step of its kind ends well, whatever else ends well.
+        health.record("batch", Some("3 of 10 messages handed back".into()));
+        health.record("receive", None);
         health.beat();
-        let status = health.status_at(last_beat());
-        assert_eq!((status.live, status.ready, status.error.as_deref()), (true, false, Some("SQS is unreachable")));
+        let status = health.status_at(last_beat(&health));
+        assert_eq!((status.live, status.ready), (true, false));
+        assert_eq!(status.error.as_deref(), Some("dispatch: 3 of 10 messages handed back"));
+        health.record("batch", None);
+        assert!(health.status_at(last_beat(&health)).ready);
 
-        health.pass_ended(None);
-        let stale = health.status_at(last_beat() + MIN_STALE_AFTER + Duration::from_secs(5));
+        let stale = health.status_at(last_beat(&health) + MIN_STALE_AFTER + Duration::from_secs(5));
         assert_eq!((stale.live, stale.ready), (false, false));
         assert_eq!(
             stale.error.as_deref(),
-            Some("the dispatch loop has not completed a claim or send for 65 s (more than 60 s)")
+            Some("dispatch: nothing has completed for 65 s (more than 60 s): the loop is stuck")
         );
     }
 
     #[test]
-    fn a_long_poll_interval_waits_three_of_them_before_the_loop_counts_as_stuck() {
-        assert_eq!(Health::new(Duration::from_secs(120)).stale_after(), Duration::from_secs(360));
+    fn a_loop_that_may_take_longer_waits_that_long_before_it_counts_as_stuck() {
+        assert_eq!(Health::new("queue q.fifo", Duration::from_secs(360)).stale_after(), Duration::from_secs(360));
+    }
+
+    #[test]
+    fn a_process_of_several_loops_is_ready_when_each_is_and_names_what_fails_in_each() {
+        let jobs = Arc::new(Health::new("queue jobs.fifo", MIN_STALE_AFTER));
+        let dead_letters = Arc::new(Health::new("queue dlq.fifo", MIN_STALE_AFTER));
+        let both = [jobs.clone(), dead_letters.clone()];
+        jobs.record("receive", None);
+        let status = combined(&both);
+        assert_eq!((status.live, status.ready, status.since_beat), (true, false, None));
+        assert_eq!(status.error.as_deref(), Some("queue dlq.fifo: nothing has completed yet"));
+        dead_letters.record("receive", None);
+        assert_eq!(combined(&both).error, None);
+        assert!(combined(&both).ready);
+        jobs.record("receive", Some("ReceiveMessage failed".into()));
+        dead_letters.record("batch", Some("the database is unreachable".into()));
+        let status = combined(&both);
+        assert_eq!((status.live, status.ready), (true, false));
+        assert_eq!(
+            status.error.as_deref(),
+            Some("queue jobs.fifo: ReceiveMessage failed; queue dlq.fifo: the database is unreachable")
+        );
     }
 
     #[test]

@@ -96,6 +96,11 @@ impl Pipeline {
         self.dead_letters.as_deref()
     }
 
+    /// The health of its pollers, queue by queue, for the health endpoint of `rowq work`.
+    pub fn health(&self) -> Vec<Arc<crate::health::Health>> {
+        std::iter::once(&self.jobs).chain(&self.dead_letters).map(|source| source.health()).collect()
+    }
+
     /// Asks every piece to stop after the batch in hand, and waits for them.
     pub async fn stop(mut self) -> RunTotals {
         let _ = self.stop.send(true);

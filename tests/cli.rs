@@ -45,6 +45,15 @@ async fn handled_and_deleted(client: &aws_sdk_sqs::Client, queue_url: &str) -> b
     (depth.visible, depth.in_flight) == (0, 0)
 }
 
+/// A job of `kind` as the scheduler leaves it once it has published generation 1.
+async fn dispatched(pool: &PgPool, kind: &str) -> rowq::JobId {
+    sqlx::query_scalar("INSERT INTO rowq.jobs (kind, state, dispatch_gen) VALUES ($1, 'dispatched', 1) RETURNING id")
+        .bind(kind)
+        .fetch_one(pool)
+        .await
+        .expect("insert a dispatched job")
+}
+
 /// `rowq ARGS` on the test's database, to run or spawn.
 fn rowq_command(pool: &PgPool, args: &[&str]) -> Command {
     let mut rowq = command(env!("CARGO_BIN_EXE_rowq"), pool);
@@ -377,12 +386,7 @@ async fn the_dlq_handler_prints_the_jobs_it_failed_by_kind_as_cloudwatch_metrics
     let pool = common::database().await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
-    let id: rowq::JobId = sqlx::query_scalar(
-        "INSERT INTO rowq.jobs (kind, state, dispatch_gen) VALUES ('resize_image', 'dispatched', 1) RETURNING id",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let id = dispatched(&pool, "resize_image").await;
     assert_eq!(common::send_job_messages(&client, &queues.dlq_url, &[(id, 1)], "dead").await, Ok(1));
 
     let worker = work_reporting_metrics(&pool, &queues.queue_url, &[("ROWQ_DLQ_URL", &queues.dlq_url)]);
@@ -966,30 +970,34 @@ async fn a_wait_ends_with_the_job_and_its_exit_code_says_how_it_ended() {
     pipeline.stop().await;
 }
 
-/// A `scheduler` running as a service (until killed, also when the test fails) with its
-/// health endpoint on a free port of 127.0.0.1.
-struct SchedulerService {
+/// A service, `scheduler` or `rowq work`, running until killed (also when the test fails)
+/// with its health endpoint on a free port of 127.0.0.1.
+struct Service {
     child: Child,
     address: String,
 }
 
-impl SchedulerService {
-    fn start(pool: &PgPool, queue_url: &str, env: &[(&str, &str)]) -> Self {
-        // A port the system has just handed out and taken back: free for the scheduler to bind.
+impl Service {
+    /// `scheduler` on `queue_url`, with `env` added.
+    fn scheduler(pool: &PgPool, queue_url: &str, env: &[(&str, &str)]) -> Self {
+        let mut scheduler = command(env!("CARGO_BIN_EXE_scheduler"), pool);
+        scheduler.env("ROWQ_QUEUE_URL", queue_url).env("ROWQ_POLL_INTERVAL_MS", "100").envs(env.iter().copied());
+        Service::start(scheduler)
+    }
+
+    fn start(mut service: Command) -> Self {
+        // A port the system has just handed out and taken back: free for the service to bind.
         let address = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|listener| listener.local_addr())
             .expect("a free port")
             .to_string();
-        let child = command(env!("CARGO_BIN_EXE_scheduler"), pool)
-            .env("ROWQ_QUEUE_URL", queue_url)
+        let child = service
             .env("ROWQ_HEALTH_LISTEN", &address)
-            .env("ROWQ_POLL_INTERVAL_MS", "100")
-            .envs(env.iter().copied())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
-            .expect("start the scheduler");
-        SchedulerService { child, address }
+            .expect("start the service");
+        Service { child, address }
     }
 
     /// `GET path`: the status code and the JSON body; `None` while nothing answers.
@@ -1022,17 +1030,21 @@ impl SchedulerService {
     }
 }
 
-/// `scheduler --health-check` with `ROWQ_HEALTH_LISTEN=listen`, as a container's health check runs it.
-fn health_check(pool: &PgPool, queue_url: &str, listen: &str) -> Output {
-    command(env!("CARGO_BIN_EXE_scheduler"), pool)
+/// `BINARY --health-check` with `ROWQ_HEALTH_LISTEN=listen` and no other setting, as a
+/// container's health check runs it.
+fn health_check(binary: &[&str], listen: &str) -> Output {
+    Command::new(binary[0])
+        .args(&binary[1..])
         .arg("--health-check")
-        .env("ROWQ_QUEUE_URL", queue_url)
+        .env_clear()
         .env("ROWQ_HEALTH_LISTEN", listen)
         .output()
-        .expect("run scheduler --health-check")
+        .expect("run --health-check")
 }
 
-impl Drop for SchedulerService {
+const SCHEDULER: &[&str] = &[env!("CARGO_BIN_EXE_scheduler")];
+
+impl Drop for Service {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -1048,7 +1060,7 @@ async fn the_scheduler_service_answers_ready_once_it_has_dispatched() {
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
 
-    let service = SchedulerService::start(&pool, &queues.queue_url, &[]);
+    let service = Service::scheduler(&pool, &queues.queue_url, &[]);
     let (code, body) = service.wait_for("/readyz", |code, _| code == 200).await;
     assert_eq!(code, 200, "{body}");
     assert_eq!((&body["live"], &body["ready"], &body["error"]), (&json!(true), &json!(true), &Value::Null), "{body}");
@@ -1058,7 +1070,7 @@ async fn the_scheduler_service_answers_ready_once_it_has_dispatched() {
     assert_eq!(service.get("/metrics").await.map(|(code, _)| code), Some(404));
     // The container's check, given the address the scheduler listens on for every interface.
     let port = service.address.rsplit(':').next().expect("a port");
-    let check = health_check(&pool, &queues.queue_url, &format!("0.0.0.0:{port}"));
+    let check = health_check(SCHEDULER, &format!("0.0.0.0:{port}"));
     assert!(check.status.success(), "{}", stderr(&check));
     assert_eq!(parsed(&["scheduler", "--health-check"], &check)["live"], json!(true));
 }
@@ -1075,8 +1087,8 @@ async fn the_scheduler_service_is_live_and_not_ready_while_sqs_is_unreachable() 
     let closed = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
     let unreachable = format!("http://{closed}");
 
-    let service = SchedulerService::start(&pool, &queues.queue_url, &[("AWS_ENDPOINT_URL", &unreachable)]);
-    let passed = |body: &Value| body["error"].as_str().is_some_and(|e| !e.contains("no dispatch pass"));
+    let service = Service::scheduler(&pool, &queues.queue_url, &[("AWS_ENDPOINT_URL", &unreachable)]);
+    let passed = |body: &Value| body["error"].as_str().is_some_and(|e| !e.contains("nothing has completed yet"));
     let (code, body) = service.wait_for("/readyz", |_, body| passed(body)).await;
     assert_eq!(code, 503, "{body}");
     assert_eq!((&body["live"], &body["ready"]), (&json!(true), &json!(false)), "{body}");
@@ -1088,8 +1100,47 @@ async fn the_scheduler_service_is_live_and_not_ready_while_sqs_is_unreachable() 
     assert!(matches!(job.state, rowq::JobState::Pending | rowq::JobState::Dispatched), "{job:?}");
     assert_eq!((job.attempts, job.started_at), (0, None), "{job:?}");
     // Live, so the container's check passes; where nothing listens, it fails, saying so.
-    assert!(health_check(&pool, &queues.queue_url, &service.address).status.success());
-    let check = health_check(&pool, &queues.queue_url, &closed.to_string());
+    assert!(health_check(SCHEDULER, &service.address).status.success());
+    let check = health_check(SCHEDULER, &closed.to_string());
     assert!(!check.status.success());
     assert!(stderr(&check).contains(&format!("no health answer on {closed}")), "{}", stderr(&check));
+}
+
+/// `rowq work` as a service: ready once each queue's pollers have received; not ready, naming
+/// why, once a batch's messages are handed back for redelivery (here: a function timeout
+/// shorter than the time kept for recording outcomes leaves no time for any job), and live all
+/// along. `rowq work --health-check` asks it.
+#[tokio::test]
+async fn rowq_work_as_a_service_is_ready_while_its_batches_are_handled() {
+    let pool = common::database().await;
+    let client = common::sqs().await;
+    let work = |queues: &rowq::sqs::QueuePair, env: &[(&str, &str)]| {
+        let mut work = rowq_command(&pool, &["work"]);
+        work.env("ROWQ_QUEUE_URL", &queues.queue_url).env("ROWQ_DLQ_URL", &queues.dlq_url).env("ROWQ_WAIT_SECS", "1");
+        work.envs(env.iter().copied());
+        Service::start(work)
+    };
+    let rowq_work: &[&str] = &[env!("CARGO_BIN_EXE_rowq"), "work"];
+
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let service = work(&queues, &[]);
+    let (code, body) = service.wait_for("/readyz", |code, _| code == 200).await;
+    assert_eq!((code, &body["error"]), (200, &Value::Null), "{body}");
+    let check = health_check(rowq_work, &service.address);
+    assert!(check.status.success(), "{}", stderr(&check));
+    drop(service);
+
+    // New queues: a long poll of the killed process may still take a message sent to the old.
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let id = dispatched(&pool, "noop").await;
+    assert_eq!(common::send_job_messages(&client, &queues.queue_url, &[(id, 1)], "late").await, Ok(1));
+    let service = work(&queues, &[("ROWQ_FUNCTION_TIMEOUT_SECS", "1"), ("ROWQ_DEADLINE_MARGIN_MS", "2000")]);
+    let handed_back = |body: &Value| body["error"].as_str().is_some_and(|e| e.contains("handed back for redelivery"));
+    let (code, body) = service.wait_for("/readyz", |_, body| handed_back(body)).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(handed_back(&body), "{body}");
+    let queue_name = queues.queue_url.rsplit('/').next().expect("a queue name");
+    assert!(body["error"].as_str().is_some_and(|e| e.contains(&format!("queue {queue_name}: 1 of"))), "{body}");
+    assert_eq!(service.get("/livez").await.map(|(code, _)| code), Some(200));
+    assert_eq!(common::job(&pool, id).await.state, rowq::JobState::Dispatched, "not run: no time for it");
 }

@@ -10,10 +10,10 @@ use rowq::{entry, telemetry};
 
 fn main() -> anyhow::Result<()> {
     telemetry::init(config::log_format());
+    if std::env::args().any(|arg| arg == "--health-check") {
+        return entry::health_check().map_err(|error| anyhow::anyhow!(error));
+    }
     let once = std::env::args().any(|arg| arg == "--once");
     let config = SchedulerConfig::from_env().context("invalid scheduler configuration")?;
-    if std::env::args().any(|arg| arg == "--health-check") {
-        return entry::scheduler_health_check(&config).map_err(|error| anyhow::anyhow!(error));
-    }
     entry::scheduler(config, once).map_err(|error| anyhow::anyhow!(error))
 }

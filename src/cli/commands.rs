@@ -175,7 +175,7 @@ pub async fn run(database_url: &str, json: bool, command: Command) -> anyhow::Re
     match command {
         Command::Queues { command: QueuesCommand::Create(args) } => return create_queues(&args, json).await,
         Command::Queues { command: QueuesCommand::Show(args) } => return show_queues(&args, json).await,
-        Command::Dev(_) | Command::Demo(_) | Command::Work => unreachable!("cli::run dispatches dev, demo and work"),
+        Command::Dev(_) | Command::Demo(_) | Command::Work(_) => unreachable!("cli::run dispatches dev, demo and work"),
         _ => {}
     }
     let pool = connect(database_url).await?;
@@ -237,7 +237,7 @@ async fn operate(pool: &PgPool, json: bool, command: Command) -> anyhow::Result<
         Command::Cancel(args) => cancel(pool, args, json).await?,
         Command::Pause(args) => pause(pool, args, json).await?,
         Command::Resume { queue } => resume(pool, &queue, json).await?,
-        Command::Queues { .. } | Command::Dev(_) | Command::Demo(_) | Command::Work => {}
+        Command::Queues { .. } | Command::Dev(_) | Command::Demo(_) | Command::Work(_) => {}
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use sqlx::PgPool;
 use super::QueueArgs;
 use crate::config::{self, Env, EventSourceConfig, SchedulerConfig, WorkerConfig};
 use crate::pipeline::{Pipeline, PipelineConfig};
-use crate::{Registry, Worker, sqs, store, telemetry};
+use crate::{Registry, Worker, health, sqs, store, telemetry};
 
 #[derive(Args)]
 pub struct DevArgs {
@@ -62,10 +62,12 @@ pub async fn work(database_url: &str) -> anyhow::Result<()> {
     let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
     // No scheduler runs here; the scheduler settings are only carried along.
     let scheduler = SchedulerConfig::from(&env)?;
+    let health_listen = config::health_listen(&env)?;
     let config = PipelineConfig { scheduler, event_source, schedulers: 0 };
     let pipeline = Pipeline::start(pool.clone(), sqs::client().await, worker, config)
         .await
         .context("cannot start the consumers")?;
+    let _health = health::start(health_listen, pipeline.health()).await.map_err(anyhow::Error::msg)?;
     let running = Running { pool, pipeline };
     let mut shutdown = crate::dispatch::shutdown_on_signals();
     let _ = shutdown.wait_for(|stop| *stop).await;

@@ -67,7 +67,7 @@ enum Command {
     Dev(dev::DevArgs),
     /// Run the worker and the DLQ handler behind the local event source, without a scheduler:
     /// a worker fleet outside Lambda (ECS, EC2, a laptop). Needs ROWQ_QUEUE_URL.
-    Work,
+    Work(WorkArgs),
     /// `dev` plus a mixed batch of demo jobs, live progress and a summary; exits 1 if any job
     /// did not end in the state its kind implies.
     Demo(demo::DemoArgs),
@@ -130,7 +130,18 @@ fn one_line(error: &anyhow::Error) -> String {
     line
 }
 
+#[derive(Args)]
+struct WorkArgs {
+    /// Ask the `rowq work` running beside this one, on ROWQ_HEALTH_LISTEN, whether its pollers
+    /// turn: exit 0 if `/livez` answered 200. For a container's health check.
+    #[arg(long)]
+    health_check: bool,
+}
+
 async fn run(mut cli: Cli) -> anyhow::Result<()> {
+    if let Command::Work(WorkArgs { health_check: true }) = cli.command {
+        return crate::entry::health_check().map_err(|error| anyhow::anyhow!(error));
+    }
     if cli.database_url.is_empty()
         && let Some(url) = database_url_from_secret().await?
     {
@@ -138,7 +149,7 @@ async fn run(mut cli: Cli) -> anyhow::Result<()> {
     }
     match cli.command {
         Command::Dev(args) => dev::run(&cli.database_url, args).await,
-        Command::Work => dev::work(&cli.database_url).await,
+        Command::Work(_) => dev::work(&cli.database_url).await,
         Command::Demo(args) => demo::run(&cli.database_url, args).await,
         command => commands::run(&cli.database_url, cli.json, command).await,
     }
