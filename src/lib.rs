@@ -28,7 +28,8 @@
 //! - [`dlq`]: the dead-letter handler.
 //! - [`event_source`]: the local stand-in for Lambda's SQS event source mapping.
 //! - [`maintenance`]: rescue of stuck rows, pruning of finished rows.
-//! - [`health`]: the scheduler's `/livez` and `/readyz` over HTTP (`ROWQ_HEALTH_LISTEN`).
+//! - [`health`]: `/livez` and `/readyz` over HTTP for the scheduler and `rowq work` as services
+//!   (`ROWQ_HEALTH_LISTEN`).
 //! - [`metrics`]: CloudWatch Embedded Metric Format lines: the scheduler's gauges of its queue,
 //!   what each of the worker's batches did by kind, the jobs the DLQ handler failed.
 //! - [`pipeline`]: every piece in one process (`rowq dev`, end-to-end tests, benchmarks).
