@@ -226,11 +226,29 @@ async fn answer(mut stream: TcpStream, loops: &[Arc<Health>]) -> std::io::Result
     stream.shutdown().await
 }
 
-/// `scheduler --health-check`: asks the scheduler serving on `address` (`ROWQ_HEALTH_LISTEN`;
-/// an unspecified IP, `0.0.0.0` or `::`, is asked on loopback) for `path`; its body when it
-/// answers 200, else why not. For a container health check that runs a command, in an image
-/// without curl.
+/// What the health endpoint answered: the status code, the head (status line and headers) and
+/// the body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub code: u16,
+    pub head: String,
+    pub body: String,
+}
+
+/// `scheduler --health-check`, `rowq work --health-check`: asks the process serving on
+/// `address` (`ROWQ_HEALTH_LISTEN`) for `path`; its body when it answers 200, else why not. For
+/// a container health check that runs a command, in an image without curl.
 pub fn check(address: SocketAddr, path: &str) -> Result<String, String> {
+    let answer = ask(address, path)?;
+    match answer.code {
+        200 => Ok(answer.body),
+        code => Err(format!("{path} on {address} answered {code}: {}", answer.body)),
+    }
+}
+
+/// `GET path` of the health endpoint on `address` (an unspecified IP, `0.0.0.0` or `::`, is
+/// asked on loopback), waiting 5 s at most for each step; `Err` when nothing answers.
+pub fn ask(address: SocketAddr, path: &str) -> Result<Answer, String> {
     use std::io::{Read, Write};
     let mut target = address;
     if target.ip().is_unspecified() {
@@ -247,12 +265,10 @@ pub fn check(address: SocketAddr, path: &str) -> Result<String, String> {
     write!(stream, "GET {path} HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n").map_err(unanswered)?;
     let mut response = String::new();
     stream.read_to_string(&mut response).map_err(unanswered)?;
-    let code = response.split(' ').nth(1).unwrap_or_default();
-    let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
-    match code {
-        "200" => Ok(body.to_string()),
-        _ => Err(format!("{path} on {target} answered {code}: {body}")),
-    }
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let code = head.split(' ').nth(1).and_then(|code| code.parse().ok());
+    let code = code.ok_or_else(|| format!("no HTTP answer on {target}: {:?}", head))?;
+    Ok(Answer { code, head: head.to_string(), body: body.to_string() })
 }
 
 /// The status code and JSON body for the request `request` (its first bytes).

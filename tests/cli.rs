@@ -974,7 +974,13 @@ async fn a_wait_ends_with_the_job_and_its_exit_code_says_how_it_ended() {
 /// with its health endpoint on a free port of 127.0.0.1.
 struct Service {
     child: Child,
-    address: String,
+    address: std::net::SocketAddr,
+}
+
+/// An address of 127.0.0.1 with a port the system has just handed out and taken back: free for
+/// a service to bind, or a port nothing listens on.
+fn free_address() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|listener| listener.local_addr()).expect("a free port")
 }
 
 impl Service {
@@ -986,13 +992,9 @@ impl Service {
     }
 
     fn start(mut service: Command) -> Self {
-        // A port the system has just handed out and taken back: free for the service to bind.
-        let address = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .to_string();
+        let address = free_address();
         let child = service
-            .env("ROWQ_HEALTH_LISTEN", &address)
+            .env("ROWQ_HEALTH_LISTEN", address.to_string())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -1002,16 +1004,12 @@ impl Service {
 
     /// `GET path`: the status code and the JSON body; `None` while nothing answers.
     async fn get(&self, path: &str) -> Option<(u16, Value)> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = tokio::net::TcpStream::connect(&self.address).await.ok()?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n", self.address);
-        stream.write_all(request.as_bytes()).await.ok()?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.ok()?;
-        let code = response.split(' ').nth(1)?.parse().ok()?;
-        let (head, body) = response.split_once("\r\n\r\n")?;
-        assert!(head.contains("Content-Type: application/json"), "{head}");
-        Some((code, serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))))
+        let address = self.address;
+        let path = path.to_string();
+        let answer = tokio::task::spawn_blocking(move || rowq::health::ask(address, &path)).await.ok()?.ok()?;
+        assert!(answer.head.contains("Content-Type: application/json"), "{}", answer.head);
+        let body = &answer.body;
+        Some((answer.code, serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))))
     }
 
     /// Polls `path` until `until` holds of its answer (30 s at most); returns the last answer.
@@ -1030,6 +1028,13 @@ impl Service {
     }
 }
 
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// `BINARY --health-check` with `ROWQ_HEALTH_LISTEN=listen` and no other setting, as a
 /// container's health check runs it.
 fn health_check(binary: &[&str], listen: &str) -> Output {
@@ -1043,13 +1048,6 @@ fn health_check(binary: &[&str], listen: &str) -> Output {
 }
 
 const SCHEDULER: &[&str] = &[env!("CARGO_BIN_EXE_scheduler")];
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// `ROWQ_HEALTH_LISTEN`: a scheduler run as a service says on `/readyz` that it dispatches,
 /// on `/livez` that its loop turns, and answers anything else 404.
@@ -1069,8 +1067,7 @@ async fn the_scheduler_service_answers_ready_once_it_has_dispatched() {
     assert_eq!(service.get("/livez").await.map(|(code, _)| code), Some(200));
     assert_eq!(service.get("/metrics").await.map(|(code, _)| code), Some(404));
     // The container's check, given the address the scheduler listens on for every interface.
-    let port = service.address.rsplit(':').next().expect("a port");
-    let check = health_check(SCHEDULER, &format!("0.0.0.0:{port}"));
+    let check = health_check(SCHEDULER, &format!("0.0.0.0:{}", service.address.port()));
     assert!(check.status.success(), "{}", stderr(&check));
     assert_eq!(parsed(&["scheduler", "--health-check"], &check)["live"], json!(true));
 }
@@ -1084,7 +1081,7 @@ async fn the_scheduler_service_is_live_and_not_ready_while_sqs_is_unreachable() 
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     // A port nothing listens on: every SQS call is refused.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+    let closed = free_address();
     let unreachable = format!("http://{closed}");
 
     let service = Service::scheduler(&pool, &queues.queue_url, &[("AWS_ENDPOINT_URL", &unreachable)]);
@@ -1100,7 +1097,7 @@ async fn the_scheduler_service_is_live_and_not_ready_while_sqs_is_unreachable() 
     assert!(matches!(job.state, rowq::JobState::Pending | rowq::JobState::Dispatched), "{job:?}");
     assert_eq!((job.attempts, job.started_at), (0, None), "{job:?}");
     // Live, so the container's check passes; where nothing listens, it fails, saying so.
-    assert!(health_check(SCHEDULER, &service.address).status.success());
+    assert!(health_check(SCHEDULER, &service.address.to_string()).status.success());
     let check = health_check(SCHEDULER, &closed.to_string());
     assert!(!check.status.success());
     assert!(stderr(&check).contains(&format!("no health answer on {closed}")), "{}", stderr(&check));
@@ -1126,7 +1123,7 @@ async fn rowq_work_as_a_service_is_ready_while_its_batches_are_handled() {
     let service = work(&queues, &[]);
     let (code, body) = service.wait_for("/readyz", |code, _| code == 200).await;
     assert_eq!((code, &body["error"]), (200, &Value::Null), "{body}");
-    let check = health_check(rowq_work, &service.address);
+    let check = health_check(rowq_work, &service.address.to_string());
     assert!(check.status.success(), "{}", stderr(&check));
     drop(service);
 
