@@ -58,7 +58,8 @@ pub struct EventSource {
     wait: Duration,
     function_timeout: Duration,
     totals: EventSourceTotals,
-    /// What its pollers last did, for the health endpoint of `rowq work` ([`crate::health`]).
+    /// What its pollers last did, each its own beat, for the health endpoint of `rowq work`
+    /// ([`crate::health`]).
     health: Arc<Health>,
 }
 
@@ -112,6 +113,7 @@ impl EventSource {
         F: Future<Output = SqsBatchResponse> + Send + 'static,
     {
         let mut tasks = tokio::task::JoinSet::new();
+        self.health.set_pollers(pollers.max(1));
         for poller in 0..pollers.max(1) {
             let source = self.clone();
             let handler = handler.clone();
@@ -121,7 +123,7 @@ impl EventSource {
                 while !*shutdown.borrow() {
                     tokio::select! {
                         _ = shutdown.changed() => break,
-                        messages = source.receive() => match messages {
+                        messages = source.receive(poller) => match messages {
                             Ok(messages) if messages.is_empty() => {}
                             Ok(messages) => {
                                 let (returned, handlers_returned) = oneshot::channel();
@@ -155,13 +157,13 @@ impl EventSource {
         H: Fn(SqsEvent, Instant, usize, HandlersReturned) -> F,
         F: Future<Output = SqsBatchResponse>,
     {
-        let messages = self.receive().await?;
+        let messages = self.receive(0).await?;
         let count = messages.len();
         self.deliver(messages, handler, 0, oneshot::channel().0).await;
         Ok(count)
     }
 
-    async fn receive(&self) -> Result<Vec<Message>, SqsError> {
+    async fn receive(&self, poller: usize) -> Result<Vec<Message>, SqsError> {
         let received = self
             .client
             .receive_message()
@@ -173,7 +175,7 @@ impl EventSource {
             .await
             .map(|output| output.messages.unwrap_or_default())
             .map_err(|e| SqsError::call("ReceiveMessage", &self.queue_url, e));
-        self.health.record("receive", received.as_ref().err().map(ToString::to_string));
+        self.health.record_by(poller, "receive", received.as_ref().err().map(ToString::to_string));
         received
     }
 
@@ -204,7 +206,7 @@ impl EventSource {
                 messages.len()
             )
         });
-        self.health.record("batch", handed_back);
+        self.health.record_by(poller, "batch", handed_back);
     }
 
     /// The record as the Lambda service builds it.

@@ -3,15 +3,18 @@
 //!
 //! Each loop has a [`Health`]: it beats each time a step of the loop completes (a claim or a
 //! `SendMessageBatch` call of the scheduler; a receive or a batch of an event source's pollers)
-//! and records how each kind of step last ended ([`Health::record`]). Two paths answer from
-//! those, over every loop of the process:
+//! and records how each kind of step last ended ([`Health::record`]). A loop run by several
+//! pollers at once (an event source's) keeps a beat per poller. Two paths answer from those,
+//! over every loop of the process:
 //!
-//! - `GET /livez`: 200 while every loop turns: a beat within its [`Health::stale_after`] (before
-//!   the first beat, that long after start). A loop that is stuck (a statement that never
-//!   returns on a connection the network dropped without a word; a handler that blocks the
-//!   thread) answers 503, and an orchestrator that restarts it on that fixes it. A database or
-//!   SQS that is down does not make it fail: the loop goes on trying (and beating), and a
-//!   restart would not bring either back.
+//! - `GET /livez`: 200 while every loop turns: a beat of each of its pollers within its
+//!   [`Health::stale_after`] (before the first beat, that long after start). A loop that is
+//!   stuck (a statement that never returns on a connection the network dropped without a
+//!   word; a handler that blocks the thread), or one poller of it, answers 503, and an
+//!   orchestrator that restarts it on that fixes it: one poller stuck of four would otherwise
+//!   go on unseen, its share of the work never done. A database or SQS that is down does not
+//!   make it fail: the loop goes on trying (and beating), and a restart would not bring
+//!   either back.
 //! - `GET /readyz`: 200 when every loop turns and the last of each kind of step succeeded: it
 //!   is dispatching, or receiving and recording outcomes. 503 otherwise, naming the errors (and
 //!   before any step has completed).
@@ -37,7 +40,7 @@ const MAX_REQUEST: usize = 2048;
 /// How long a client may take to send its request.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// One loop's last beat, and how each kind of its steps last ended, shared with the server.
+/// One loop's last beats, and how each kind of its steps last ended, shared with the server.
 #[derive(Debug)]
 pub struct Health {
     /// What the loop is, in the errors: `dispatch`, `queue rowq-jobs.fifo`.
@@ -47,9 +50,10 @@ pub struct Health {
     last: Mutex<Last>,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Last {
-    beat: Option<Instant>,
+    /// Each poller's last beat: one for a loop of one poller (the scheduler's).
+    beats: Vec<Option<Instant>>,
     /// Each kind of step recorded, with the error its last one ended with.
     steps: Vec<(&'static str, Option<String>)>,
 }
@@ -67,6 +71,15 @@ pub struct Status {
     pub error: Option<String>,
 }
 
+impl Last {
+    fn beat(&mut self, poller: usize) {
+        if poller >= self.beats.len() {
+            self.beats.resize(poller + 1, None);
+        }
+        self.beats[poller] = Some(Instant::now());
+    }
+}
+
 impl Health {
     /// A loop named `label` that counts as stuck after `stale_after` without a beat (never
     /// less than [`MIN_STALE_AFTER`]).
@@ -75,7 +88,7 @@ impl Health {
             label: label.into(),
             started: Instant::now(),
             stale_after: stale_after.max(MIN_STALE_AFTER),
-            last: Mutex::new(Last::default()),
+            last: Mutex::new(Last { beats: vec![None], steps: Vec::new() }),
         }
     }
 
@@ -87,17 +100,27 @@ impl Health {
         self.stale_after
     }
 
-    /// A step completed, well or not: the loop turns.
-    pub fn beat(&self) {
-        self.last().beat = Some(Instant::now());
+    /// The loop is run by `pollers` pollers (0 to `pollers - 1`), each of which must beat.
+    pub fn set_pollers(&self, pollers: usize) {
+        self.last().beats.resize(pollers.max(1), None);
     }
 
-    /// A step of kind `step` ended, with `error` if it failed; it beats too. Ready needs the
-    /// last of every kind recorded to have ended well: a poller's empty receive does not
-    /// clear the error of its last batch.
+    /// A step of the loop's one poller completed, well or not: the loop turns.
+    pub fn beat(&self) {
+        self.last().beat(0);
+    }
+
+    /// A step of kind `step` of the loop's one poller ended: [`Health::record_by`] poller 0.
     pub fn record(&self, step: &'static str, error: Option<String>) {
+        self.record_by(0, step, error);
+    }
+
+    /// A step of kind `step` ended, by `poller`, with `error` if it failed; that poller beats
+    /// too. Ready needs the last of every kind recorded, by any poller, to have ended well: a
+    /// poller's empty receive does not clear the error of its last batch.
+    pub fn record_by(&self, poller: usize, step: &'static str, error: Option<String>) {
         let mut last = self.last();
-        last.beat = Some(Instant::now());
+        last.beat(poller);
         match last.steps.iter_mut().find(|(kind, _)| *kind == step) {
             Some(slot) => slot.1 = error,
             None => last.steps.push((step, error)),
@@ -110,13 +133,25 @@ impl Health {
 
     fn status_at(&self, now: Instant) -> Status {
         let last = self.last().clone();
-        let since_beat = last.beat.map(|at| now.saturating_duration_since(at));
-        let live = since_beat.unwrap_or_else(|| now.saturating_duration_since(self.started)) <= self.stale_after;
+        let since: Vec<Duration> =
+            last.beats.iter().map(|beat| now.saturating_duration_since(beat.unwrap_or(self.started))).collect();
+        // The poller that has gone longest without a beat; the first of them on a tie.
+        let (oldest, longest) =
+            since.iter().copied().enumerate().fold((0, Duration::ZERO), |a, b| if b.1 > a.1 { b } else { a });
+        let live = longest <= self.stale_after;
+        let since_beat = last.beats.iter().all(Option::is_some).then_some(longest);
         let failed: Vec<String> = last.steps.iter().filter_map(|(_, error)| error.clone()).collect();
-        let error = match (live, since_beat) {
-            (false, Some(since)) => Some(format!(
+        let stuck = since.iter().filter(|since| **since > self.stale_after).count();
+        let error = match (live, last.beats[oldest]) {
+            (false, Some(_)) if last.beats.len() == 1 => Some(format!(
                 "nothing has completed for {} s (more than {} s): the loop is stuck",
-                since.as_secs(),
+                longest.as_secs(),
+                self.stale_after.as_secs()
+            )),
+            (false, _) if last.beats.len() > 1 => Some(format!(
+                "{stuck} of {} pollers stuck: poller {oldest} has completed nothing for {} s (more than {} s)",
+                last.beats.len(),
+                longest.as_secs(),
                 self.stale_after.as_secs()
             )),
             _ if last.steps.is_empty() => Some("nothing has completed yet".to_string()),
@@ -301,7 +336,7 @@ mod tests {
     use super::*;
 
     fn last_beat(health: &Health) -> Instant {
-        health.last().beat.expect("a beat")
+        health.last().beats[0].expect("a beat")
     }
 
     #[test]
@@ -340,6 +375,36 @@ mod tests {
             stale.error.as_deref(),
             Some("dispatch: nothing has completed for 65 s (more than 60 s): the loop is stuck")
         );
+    }
+
+    #[test]
+    fn one_stuck_poller_of_several_fails_liveness_while_the_others_turn() {
+        let health = Health::new("queue jobs.fifo", MIN_STALE_AFTER);
+        health.set_pollers(3);
+        let start = health.started;
+        health.record_by(0, "receive", None);
+        health.record_by(2, "receive", None);
+        // Poller 1 has not beaten yet: live until a beat is overdue, and no age to report.
+        let status = health.status_at(start + Duration::from_secs(1));
+        assert_eq!((status.live, status.ready, status.since_beat), (true, true, None));
+
+        // Pollers 0 and 2 go on turning (their last beats 62 s after the start); poller 1
+        // never completes a step.
+        let turning = start + Duration::from_secs(62);
+        for poller in [0, 2] {
+            health.last().beats[poller] = Some(turning);
+        }
+        let status = health.status_at(turning + Duration::from_secs(3));
+        assert_eq!((status.live, status.ready, status.since_beat), (false, false, None));
+        assert_eq!(
+            status.error.as_deref(),
+            Some("queue jobs.fifo: 1 of 3 pollers stuck: poller 1 has completed nothing for 65 s (more than 60 s)")
+        );
+
+        // Once it beats, the oldest of the three beats is the loop's age.
+        health.last().beats[1] = Some(turning + Duration::from_secs(10));
+        let status = health.status_at(turning + Duration::from_secs(15));
+        assert_eq!(status, Status { live: true, ready: true, since_beat: Some(Duration::from_secs(15)), error: None });
     }
 
     #[test]
