@@ -166,11 +166,22 @@ impl NotBefore {
     }
 }
 
+/// The health of a scheduler of `config`'s dispatch loop. Idle, the loop beats once per poll
+/// interval: three missed are a stuck loop.
+pub fn loop_health(config: &SchedulerConfig) -> std::sync::Arc<Health> {
+    std::sync::Arc::new(Health::new("dispatch", config.poll_interval * 3))
+}
+
 impl<P: Publisher> Scheduler<P> {
     pub fn new(pool: PgPool, publisher: P, config: SchedulerConfig) -> Self {
+        let health = loop_health(&config);
+        Self::with_health(pool, publisher, config, health)
+    }
+
+    /// [`Scheduler::new`] reporting to `health`, which the process may have served while it
+    /// connected and migrated ([`loop_health`], [`Health::starting`]).
+    pub fn with_health(pool: PgPool, publisher: P, config: SchedulerConfig, health: std::sync::Arc<Health>) -> Self {
         let rate = config.max_dispatch_rate.map(DispatchRate::new);
-        // Idle, the loop beats once per poll interval: three missed are a stuck loop.
-        let health = std::sync::Arc::new(Health::new("dispatch", config.poll_interval * 3));
         Scheduler {
             pool,
             publisher,
@@ -403,6 +414,7 @@ impl<P: Publisher> Scheduler<P> {
             once,
             "scheduler started"
         );
+        self.health.running();
         let (stopped, dispatch_stopped) = watch::channel(false);
         if once {
             self.maintain().await;

@@ -73,21 +73,25 @@ pub fn health_check() -> Result<(), Error> {
 }
 
 /// The scheduler: migrates, then publishes to `ROWQ_QUEUE_URL` until SIGTERM or SIGINT (with
-/// `once`, until nothing more is due); on Lambda, one bounded drain per invocation.
+/// `once`, until nothing more is due); on Lambda, one bounded drain per invocation. As a
+/// service, its health endpoint opens first: live and not ready while it connects and migrates.
 pub fn scheduler(mut config: SchedulerConfig, once: bool) -> Result<(), Error> {
     block_on(async move {
+        let health = dispatch::loop_health(&config);
+        health.starting("connecting to the database");
+        let listen = if config::on_lambda() { None } else { config.health_listen };
+        let _server = health::start(listen, vec![health.clone()]).await?;
         secret::resolve(&mut config.database).await?;
         let pool = store::connect_scheduler(&config.database)
             .await
             .map_err(|error| format!("cannot connect to {}: {error}", config::redact_url(&config.database.url)))?;
+        health.starting("applying migrations");
         store::migrate(&pool).await.map_err(|error| format!("cannot apply migrations: {error}"))?;
         let publisher = SqsPublisher::new(sqs::client().await, config.queue_url.clone());
-        let health_listen = config.health_listen;
-        let scheduler = Scheduler::new(pool, publisher, config);
+        let scheduler = Scheduler::with_health(pool, publisher, config, health);
         if config::on_lambda() {
             return dispatch::run_lambda(scheduler).await;
         }
-        let _health = health::start(health_listen, vec![scheduler.health()]).await?;
         scheduler.run(dispatch::shutdown_on_signals(), once).await;
         Ok(())
     })

@@ -19,6 +19,13 @@
 //!   is dispatching, or receiving and recording outcomes. 503 otherwise, naming the errors (and
 //!   before any step has completed).
 //!
+//! Before its loop runs, a process can say what it is doing ([`Health::starting`]: the
+//! scheduler connects to the database, then applies the migrations, the endpoint already
+//! served): live, not ready, the step named. A migration can take long (an index built
+//! concurrently on a large table, waiting for the transactions open before it), and a restart
+//! would only begin it again: an orchestrator's start period (ECS allows 300 s at most) need not
+//! cover it. The loop's own clock starts when it runs ([`Health::running`]).
+//!
 //! Each answers a small JSON object: `{"live":true,"ready":false,"last_beat_ms_ago":120,
 //! "error":"..."}`. The server reads one request per connection and closes it; it serves
 //! nothing else.
@@ -45,13 +52,16 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct Health {
     /// What the loop is, in the errors: `dispatch`, `queue rowq-jobs.fifo`.
     label: String,
-    started: Instant,
     stale_after: Duration,
     last: Mutex<Last>,
 }
 
 #[derive(Debug, Clone)]
 struct Last {
+    /// What the process does before the loop runs: live, not ready, this named.
+    starting: Option<&'static str>,
+    /// When the loop began to run: a poller that has not beaten yet counts from here.
+    since: Instant,
     /// Each poller's last beat: one for a loop of one poller (the scheduler's).
     beats: Vec<Option<Instant>>,
     /// Each kind of step recorded, with the error its last one ended with.
@@ -86,9 +96,8 @@ impl Health {
     pub fn new(label: impl Into<String>, stale_after: Duration) -> Self {
         Health {
             label: label.into(),
-            started: Instant::now(),
             stale_after: stale_after.max(MIN_STALE_AFTER),
-            last: Mutex::new(Last { beats: vec![None], steps: Vec::new() }),
+            last: Mutex::new(Last { starting: None, since: Instant::now(), beats: vec![None], steps: Vec::new() }),
         }
     }
 
@@ -98,6 +107,21 @@ impl Health {
 
     pub fn stale_after(&self) -> Duration {
         self.stale_after
+    }
+
+    /// The process is doing `what` before the loop runs (`"applying migrations"`): live for as
+    /// long as it takes, not ready.
+    pub fn starting(&self, what: &'static str) {
+        self.last().starting = Some(what);
+    }
+
+    /// The loop runs: after [`Health::starting`], its pollers have [`Health::stale_after`] from
+    /// now for their first beats.
+    pub fn running(&self) {
+        let mut last = self.last();
+        if last.starting.take().is_some() {
+            last.since = Instant::now();
+        }
     }
 
     /// The loop is run by `pollers` pollers (0 to `pollers - 1`), each of which must beat.
@@ -133,8 +157,12 @@ impl Health {
 
     fn status_at(&self, now: Instant) -> Status {
         let last = self.last().clone();
+        if let Some(what) = last.starting {
+            let error = Some(format!("{}: {what}", self.label));
+            return Status { live: true, ready: false, since_beat: None, error };
+        }
         let since: Vec<Duration> =
-            last.beats.iter().map(|beat| now.saturating_duration_since(beat.unwrap_or(self.started))).collect();
+            last.beats.iter().map(|beat| now.saturating_duration_since(beat.unwrap_or(last.since))).collect();
         // The poller that has gone longest without a beat; the first of them on a tie.
         let (oldest, longest) =
             since.iter().copied().enumerate().fold((0, Duration::ZERO), |a, b| if b.1 > a.1 { b } else { a });
@@ -343,7 +371,7 @@ mod tests {
     fn a_loop_is_live_until_it_misses_beats_and_ready_once_each_kind_of_step_last_ended_well() {
         let health = Health::new("dispatch", Duration::from_secs(1));
         assert_eq!(health.stale_after(), MIN_STALE_AFTER);
-        let start = health.started;
+        let start = health.last().since;
         // Before the first beat: live for as long as a beat may take, never ready.
         let status = health.status_at(start + Duration::from_secs(1));
         assert_eq!((status.live, status.ready, status.since_beat), (true, false, None));
@@ -381,7 +409,7 @@ mod tests {
     fn one_stuck_poller_of_several_fails_liveness_while_the_others_turn() {
         let health = Health::new("queue jobs.fifo", MIN_STALE_AFTER);
         health.set_pollers(3);
-        let start = health.started;
+        let start = health.last().since;
         health.record_by(0, "receive", None);
         health.record_by(2, "receive", None);
         // Poller 1 has not beaten yet: live until a beat is overdue, and no age to report.
@@ -405,6 +433,30 @@ mod tests {
         health.last().beats[1] = Some(turning + Duration::from_secs(10));
         let status = health.status_at(turning + Duration::from_secs(15));
         assert_eq!(status, Status { live: true, ready: true, since_beat: Some(Duration::from_secs(15)), error: None });
+    }
+
+    #[test]
+    fn a_process_starting_is_live_and_not_ready_however_long_it_takes_then_its_loop_has_its_own_time() {
+        let health = Health::new("dispatch", MIN_STALE_AFTER);
+        health.starting("applying migrations");
+        let hours_later = health.last().since + Duration::from_secs(3 * 3600);
+        let status = health.status_at(hours_later);
+        assert_eq!(
+            status,
+            Status { live: true, ready: false, since_beat: None, error: Some("dispatch: applying migrations".into()) }
+        );
+        // The loop runs: its first beat is due within stale_after of now, not of the start.
+        let before = Instant::now();
+        health.running();
+        let since = health.last().since;
+        assert!(since >= before, "the loop's clock starts when it runs");
+        let status = health.status_at(since + Duration::from_secs(30));
+        assert_eq!((status.live, status.ready), (true, false));
+        assert_eq!(status.error.as_deref(), Some("dispatch: nothing has completed yet"));
+        assert!(!health.status_at(since + MIN_STALE_AFTER + Duration::from_secs(1)).live);
+        // Running again (the scheduler's loop restarting) keeps the clock.
+        health.running();
+        assert_eq!(health.last().since, since);
     }
 
     #[test]

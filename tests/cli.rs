@@ -1072,6 +1072,34 @@ async fn the_scheduler_service_answers_ready_once_it_has_dispatched() {
     assert_eq!(parsed(&["scheduler", "--health-check"], &check)["live"], json!(true));
 }
 
+/// While its migrations wait (here on a lock the test holds; in production, an index built
+/// concurrently behind long transactions), the scheduler already answers: live, so that no
+/// orchestrator restarts it into the same wait, and not ready, naming the step. Then it runs.
+#[tokio::test]
+async fn the_scheduler_service_is_live_and_not_ready_while_its_migrations_wait() {
+    let pool = common::database().await;
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
+    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE").execute(&mut *blocker).await.unwrap();
+
+    let service = Service::scheduler(&pool, &queues.queue_url, &[]);
+    let migrating = |body: &Value| body["error"] == json!("dispatch: applying migrations");
+    let (code, body) = service.wait_for("/readyz", |_, body| migrating(body)).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(migrating(&body), "{body}");
+    assert_eq!((&body["live"], &body["ready"]), (&json!(true), &json!(false)), "{body}");
+    assert_eq!(service.get("/livez").await.map(|(code, _)| code), Some(200));
+    assert!(health_check(SCHEDULER, &service.address.to_string()).status.success());
+    assert_eq!(common::job(&pool, id).await.state, rowq::JobState::Pending, "nothing dispatched while migrating");
+
+    blocker.commit().await.unwrap();
+    let (code, body) = service.wait_for("/readyz", |code, _| code == 200).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(common::job(&pool, id).await.state, rowq::JobState::Dispatched);
+}
+
 /// With SQS unreachable the scheduler is not ready, naming why, and still live: its loop turns
 /// (a restart would not bring SQS back). The job it could not publish waits, attempts unspent.
 #[tokio::test]
