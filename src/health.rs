@@ -8,7 +8,7 @@
 //! over every loop of the process:
 //!
 //! - `GET /livez`: 200 while every loop turns: a beat of each of its pollers within its
-//!   [`Health::stale_after`] (before the first beat, that long after start). A loop that is
+//!   [`Health::stale_after`] (before a poller's first beat, that long after the loop began). A loop that is
 //!   stuck (a statement that never returns on a connection the network dropped without a
 //!   word; a handler that blocks the thread), or one poller of it, answers 503, and an
 //!   orchestrator that restarts it on that fixes it: one poller stuck of four would otherwise
@@ -161,15 +161,16 @@ impl Health {
             let error = Some(format!("{}: {what}", self.label));
             return Status { live: true, ready: false, since_beat: None, error };
         }
-        let since: Vec<Duration> =
+        // How long each poller has gone without a beat (without one yet: since the loop began).
+        let ages: Vec<Duration> =
             last.beats.iter().map(|beat| now.saturating_duration_since(beat.unwrap_or(last.since))).collect();
-        // The poller that has gone longest without a beat; the first of them on a tie.
+        // The poller that has gone longest; the first of them on a tie.
         let (oldest, longest) =
-            since.iter().copied().enumerate().fold((0, Duration::ZERO), |a, b| if b.1 > a.1 { b } else { a });
+            ages.iter().copied().enumerate().fold((0, Duration::ZERO), |a, b| if b.1 > a.1 { b } else { a });
         let live = longest <= self.stale_after;
         let since_beat = last.beats.iter().all(Option::is_some).then_some(longest);
         let failed: Vec<String> = last.steps.iter().filter_map(|(_, error)| error.clone()).collect();
-        let stuck = since.iter().filter(|since| **since > self.stale_after).count();
+        let stuck = ages.iter().filter(|age| **age > self.stale_after).count();
         let error = match (live, last.beats[oldest]) {
             (false, Some(_)) if last.beats.len() == 1 => Some(format!(
                 "nothing has completed for {} s (more than {} s): the loop is stuck",
