@@ -425,6 +425,26 @@ async fn one_at_a_time(pool: &PgPool, n: usize, outcome: Outcome) {
 }
 
 #[tokio::test]
+async fn on_a_backlog_of_200000_jobs_the_scheduler_does_not_compile_its_claim() {
+    let pool = common::database().await;
+    backlog_analyzed_while_pending(&pool, 200_000).await;
+    let arguments = "'default', 100, 60000, 1000";
+    let claim = explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", arguments).await;
+    assert_eq!(claim[0]["JIT"], Value::Null, "the scheduler's claim is compiled: {claim}");
+    assert_claim_reads_its_indexes(claim);
+    // What the setting is for, where the server can compile (a build with LLVM, `jit` on by
+    // default): the same claim without it is compiled at every execution.
+    let jit: String =
+        sqlx::query_scalar("SELECT setting FROM pg_settings WHERE name = 'jit'").fetch_one(&pool).await.unwrap();
+    let available: bool = sqlx::query_scalar("SELECT pg_jit_available()").fetch_one(&pool).await.unwrap();
+    if jit == "on" && available {
+        let settings = &rowq::store::SCHEDULER_SESSION[..2];
+        let compiled = explain_in_session(&pool, settings, CLAIM_SQL, "text, bigint, bigint, bigint", arguments).await;
+        assert_ne!(compiled[0]["JIT"], Value::Null, "the backlog is not deep enough to tell: {compiled}");
+    }
+}
+
+#[tokio::test]
 async fn on_a_small_table_the_scheduler_still_claims_by_primary_key_not_by_reading_every_row() {
     let pool = common::database().await;
     // 50 jobs through the whole protocol, then the table rewritten compactly. As the run
