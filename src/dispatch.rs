@@ -193,11 +193,6 @@ impl<P: Publisher> Scheduler<P> {
         }
     }
 
-    /// The loop's health, as the health endpoint reads it.
-    pub fn health(&self) -> std::sync::Arc<Health> {
-        self.health.clone()
-    }
-
     pub fn publisher(&self) -> &P {
         &self.publisher
     }

@@ -77,9 +77,10 @@ pub fn health_check() -> Result<(), Error> {
 /// service, its health endpoint opens first: live and not ready while it connects and migrates.
 pub fn scheduler(mut config: SchedulerConfig, once: bool) -> Result<(), Error> {
     block_on(async move {
+        let on_lambda = config::on_lambda();
         let health = dispatch::loop_health(&config);
         health.starting("connecting to the database");
-        let listen = if config::on_lambda() { None } else { config.health_listen };
+        let listen = if on_lambda { None } else { config.health_listen };
         let _server = health::start(listen, vec![health.clone()]).await?;
         secret::resolve(&mut config.database).await?;
         let pool = store::connect_scheduler(&config.database)
@@ -89,7 +90,7 @@ pub fn scheduler(mut config: SchedulerConfig, once: bool) -> Result<(), Error> {
         store::migrate(&pool).await.map_err(|error| format!("cannot apply migrations: {error}"))?;
         let publisher = SqsPublisher::new(sqs::client().await, config.queue_url.clone());
         let scheduler = Scheduler::with_health(pool, publisher, config, health);
-        if config::on_lambda() {
+        if on_lambda {
             return dispatch::run_lambda(scheduler).await;
         }
         scheduler.run(dispatch::shutdown_on_signals(), once).await;

@@ -170,22 +170,21 @@ impl Health {
         let live = longest <= self.stale_after;
         let since_beat = last.beats.iter().all(Option::is_some).then_some(longest);
         let failed: Vec<String> = last.steps.iter().filter_map(|(_, error)| error.clone()).collect();
-        let stuck = ages.iter().filter(|age| **age > self.stale_after).count();
-        let error = match (live, last.beats[oldest]) {
-            (false, Some(_)) if last.beats.len() == 1 => Some(format!(
-                "nothing has completed for {} s (more than {} s): the loop is stuck",
-                longest.as_secs(),
-                self.stale_after.as_secs()
-            )),
-            (false, _) if last.beats.len() > 1 => Some(format!(
-                "{stuck} of {} pollers stuck: poller {oldest} has completed nothing for {} s (more than {} s)",
-                last.beats.len(),
-                longest.as_secs(),
-                self.stale_after.as_secs()
-            )),
-            _ if last.steps.is_empty() => Some("nothing has completed yet".to_string()),
-            _ if !failed.is_empty() => Some(failed.join("; ")),
-            _ => None,
+        let (longest_s, stale_s) = (longest.as_secs(), self.stale_after.as_secs());
+        let error = if !live && last.beats.len() > 1 {
+            let stuck = ages.iter().filter(|age| **age > self.stale_after).count();
+            let pollers = last.beats.len();
+            Some(format!(
+                "{stuck} of {pollers} pollers stuck: poller {oldest} has completed nothing for {longest_s} s (more than {stale_s} s)"
+            ))
+        } else if !live && last.beats[0].is_some() {
+            Some(format!("nothing has completed for {longest_s} s (more than {stale_s} s): the loop is stuck"))
+        } else if last.steps.is_empty() {
+            Some("nothing has completed yet".to_string())
+        } else if !failed.is_empty() {
+            Some(failed.join("; "))
+        } else {
+            None
         };
         let ready = live && error.is_none();
         Status { live, ready, since_beat, error: error.map(|error| format!("{}: {error}", self.label)) }
