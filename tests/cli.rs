@@ -205,6 +205,8 @@ async fn bad_input_gets_one_clear_line_and_a_nonzero_exit() {
     assert!(message.contains("jobs_kind_is_a_nonempty_identifier"), "{message}");
     let message = refusal(&pool, &["enqueue", "noop", "[1]"]);
     assert!(message.contains("jobs_payload_is_a_json_object"), "{message}");
+    let message = refusal(&pool, &["enqueue", "noop", r#"{"a":"\u0000"}"#]);
+    assert!(message.contains("the database refused it: unsupported Unicode escape sequence (\\u0000"), "{message}");
     let message = refusal(&pool, &["status", "424242"]);
     assert!(message.contains("job 424242 does not exist"), "{message}");
 
@@ -740,7 +742,7 @@ fn rowq_reading(pool: &PgPool, args: &[&str], input: &str) -> Output {
 
 /// `rowq enqueue KIND --lines FILE` enqueues a job per line (`-`: standard input), in the
 /// lines' order, all in one transaction: a line that is not a JSON object enqueues none and is
-/// named, and so does a row the database refuses in a later statement than the first. A PAYLOAD
+/// named, and so does a row the database refuses, in whichever statement. A PAYLOAD
 /// of `@FILE` or `-` is read from the file or from standard input.
 #[tokio::test]
 async fn enqueue_lines_enqueues_a_job_per_line_in_order_or_none_naming_the_bad_line() {
@@ -778,13 +780,24 @@ async fn enqueue_lines_enqueues_a_job_per_line_in_order_or_none_naming_the_bad_l
     let output = rowq_reading(&pool, &["enqueue", "resize", "--lines", "-"], "{\"n\":4}\n[5]\n");
     assert_eq!(output.status.code(), Some(1));
     assert!(stderr(&output).contains("line 2 of standard input is not a JSON object"), "{}", stderr(&output));
-    // 1,001 lines go in two statements; the second's row is refused, and the first's go with it.
+    // 1,002 lines go in two statements; the second's second row is refused, and the first's go
+    // with it. Postgres names the rule, not the row: the line is found, and named, all the same.
     let too_big = format!("{{\"pad\":\"{}\"}}", "x".repeat(1 << 20));
-    let many = format!("{}{too_big}\n", "{}\n".repeat(1000));
+    let many = format!("{}{too_big}\n{{}}\n", "{}\n".repeat(1001));
     let output = rowq_reading(&pool, &["enqueue", "resize", "--lines", "-"], &many);
     assert_eq!(output.status.code(), Some(1));
-    assert!(stderr(&output).contains("cannot enqueue, so none was"), "{}", stderr(&output));
-    assert!(stderr(&output).contains("jobs_payload_is_at_most_1_mib"), "{}", stderr(&output));
+    let message = stderr(&output);
+    assert!(message.contains("cannot enqueue, so none was: line 1002 of standard input: "), "{message}");
+    assert!(message.contains("jobs_payload_is_at_most_1_mib"), "{message}");
+    // JSON may hold `\u0000`, which jsonb cannot: refused, with Postgres's detail, at its line.
+    let output = rowq_reading(&pool, &["enqueue", "resize", "--lines", "-"], "{}\n{\"a\":\"x\\u0000\"}\n{}\n");
+    let message = stderr(&output);
+    assert!(message.contains("line 2 of standard input: the database refused it: unsupported Unicode escape sequence (\\u0000 cannot be converted to text)"), "{message}");
+    // An option every line shares is refused at the first: it is not any line's fault.
+    let output = rowq_reading(&pool, &["enqueue", "resize", "--lines", "-", "--group-key", "a b"], "{}\n{}\n");
+    let message = stderr(&output);
+    assert!(message.contains("cannot enqueue, so none was: the database refused it: "), "{message}");
+    assert!(message.contains("jobs_group_key_is_1_to_128_printable_ascii") && !message.contains("line"), "{message}");
     assert_eq!(count().await.unwrap(), 3, "a refused line enqueued some of the others");
 
     std::fs::write(&file, "{\"from\":\"a file\"}").unwrap();

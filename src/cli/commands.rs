@@ -358,8 +358,13 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
     let mut ids = Vec::with_capacity(lines.len());
     for chunk in lines.chunks(LINES_PER_STATEMENT) {
         let payloads = chunk.iter().map(|(_, line)| parse_payload(line, name)).collect::<anyhow::Result<Vec<_>>>()?;
-        let done = admin::enqueue_many(&mut *transaction, job, &payloads).await;
-        ids.extend(done.map_err(|error| refused(error, "cannot enqueue, so none was"))?);
+        match admin::enqueue_many(&mut *transaction, job, &payloads).await {
+            Ok(done) => ids.extend(done),
+            Err(error) => {
+                drop(transaction); // rolled back: nothing of the input is enqueued
+                return Err(refused_line(pool, job, chunk, name, error).await);
+            }
+        }
     }
     transaction.commit().await.context("cannot enqueue")?;
     let text = match (ids.first(), ids.last()) {
@@ -368,6 +373,47 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
     };
     say(json, &serde_json::json!({"enqueued": ids.len(), "ids": ids}), &text);
     Ok(())
+}
+
+/// Why the database refused a statement of `chunk`'s lines, naming the first line it refuses.
+///
+/// A statement of many rows fails as a whole, and Postgres says which rule a row broke but not
+/// which row: a payload over 1 MiB, or holding `\u0000` (which `jsonb` cannot store), in a
+/// backfill of 100,000 lines would be a needle to find by hand. So, when the rows' contents were
+/// refused, the chunk's lines are enqueued again one at a time, in a transaction rolled back
+/// whatever happens, until one is refused. A job of the options alone (`{}` as its payload) is
+/// tried first: when that is refused, the options are at fault, not a line.
+async fn refused_line(
+    pool: &PgPool,
+    job: &admin::NewJob,
+    chunk: &[(usize, &str)],
+    name: &str,
+    error: sqlx::Error,
+) -> anyhow::Error {
+    const WHAT: &str = "cannot enqueue, so none was";
+    if refusal_of_the_data(&error).is_none() {
+        return refused(error, WHAT);
+    }
+    let first_refused = async {
+        let mut transaction = pool.begin().await?;
+        let options_alone = serde_json::Value::Object(serde_json::Map::new());
+        if let Err(options) = admin::enqueue_many(&mut *transaction, job, &[options_alone]).await {
+            return Ok::<_, sqlx::Error>(Some((None, options)));
+        }
+        for &(index, line) in chunk {
+            let Ok(payload) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            if let Err(refusal) = admin::enqueue_many(&mut *transaction, job, &[payload]).await {
+                return Ok(Some((Some(index), refusal)));
+            }
+        }
+        Ok(None)
+    };
+    match first_refused.await {
+        Ok(Some((Some(index), refusal))) => refused(refusal, &format!("{WHAT}: line {} of {name}", index + 1)),
+        Ok(Some((None, refusal))) => refused(refusal, WHAT),
+        // Refused together and not one by one, or the search could not run: what was refused.
+        Ok(None) | Err(_) => refused(error, WHAT),
+    }
 }
 
 /// All of FILE, or of standard input for `-`.
@@ -490,14 +536,33 @@ fn progress(row: &admin::JobRow) -> String {
 /// `what` then the rule's message, which names it; any other error keeps its cause after
 /// `what`, so that [`behind_schema`] can still find a missing table in it.
 fn refused(error: sqlx::Error, what: &str) -> anyhow::Error {
-    const INTEGRITY_CONSTRAINT_VIOLATION: &str = "23";
-    let rule = error
-        .as_database_error()
-        .filter(|db| db.code().is_some_and(|code| code.starts_with(INTEGRITY_CONSTRAINT_VIOLATION)));
-    match rule {
-        Some(db) => anyhow!("{what}: the database refused it: {}", db.message()),
+    match refusal_of_the_data(&error) {
+        Some(reason) => anyhow!("{what}: the database refused it: {reason}"),
         None => anyhow!(error).context(what.to_string()),
     }
+}
+
+/// What the database said, with its detail, when it refused a statement for what it wrote: a
+/// broken rule (SQLSTATE class 23, integrity) or a value it cannot take (class 22, data: a
+/// `\u0000` in JSON, "unsupported Unicode escape sequence", whose detail names the character).
+/// `None` for every other failure: the connection's, say, which says nothing of the data.
+fn refusal_of_the_data(error: &sqlx::Error) -> Option<String> {
+    const DATA_EXCEPTION: &str = "22";
+    const INTEGRITY_CONSTRAINT_VIOLATION: &str = "23";
+    let db = error.as_database_error()?;
+    let code = db.code()?;
+    if !(code.starts_with(DATA_EXCEPTION) || code.starts_with(INTEGRITY_CONSTRAINT_VIOLATION)) {
+        return None;
+    }
+    // A table CHECK's detail is the whole row ("Failing row contains (...)", payload and all).
+    let detail = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .and_then(|pg| pg.detail())
+        .filter(|detail| !detail.starts_with("Failing row contains"));
+    Some(match detail {
+        Some(detail) => format!("{} ({})", db.message(), detail.trim_end_matches('.')),
+        None => db.message().to_string(),
+    })
 }
 
 async fn retry(pool: &PgPool, args: RetryArgs, json: bool) -> anyhow::Result<()> {
