@@ -189,8 +189,9 @@ impl Registry {
     }
 
     /// The built-in kinds used by demos and tests: `noop`, `echo` (result = payload),
-    /// `sleep` (`{"ms": N}`), `fail` (`{"times": N}` fails the first N attempts then succeeds;
-    /// without `times` it fails permanently).
+    /// `sleep` (`{"ms": N}`), `fail` (`{"times": N}` fails the first N attempts then succeeds,
+    /// with `"retry_after_ms": M` asking for each retry M ms later; without `times` it fails
+    /// permanently).
     pub fn builtin() -> Self {
         Registry::new()
             .register("noop", |_: JobContext, _: serde_json::Value| async { Ok(serde_json::Value::Null) })
@@ -204,10 +205,13 @@ impl Registry {
                     Some(times) if i64::from(ctx.attempt) > i64::from(times) => {
                         Ok(serde_json::json!({ "succeeded_on_attempt": ctx.attempt }))
                     }
-                    Some(times) => Err(JobError::retryable(format!(
-                        "failing on purpose: attempt {} of the first {times}",
-                        ctx.attempt
-                    ))),
+                    Some(times) => {
+                        let error = format!("failing on purpose: attempt {} of the first {times}", ctx.attempt);
+                        Err(match input.retry_after_ms {
+                            Some(ms) => JobError::retry_after(error, Duration::from_millis(ms)),
+                            None => JobError::retryable(error),
+                        })
+                    }
                     None => Err(JobError::permanent("failing on purpose, permanently")),
                 }
             })
@@ -224,6 +228,8 @@ struct Sleep {
 #[serde(deny_unknown_fields)]
 struct Fail {
     times: Option<u32>,
+    /// Each failure asks to be retried this long after it ([`JobError::retry_after`]).
+    retry_after_ms: Option<u64>,
 }
 
 /// A handler future that panicked, as an error instead of a crashed invocation.

@@ -2,6 +2,7 @@
 //! carries it, and the error a handler returns.
 
 use std::fmt;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -169,14 +170,30 @@ pub enum JobError {
     /// Worth another attempt (after backoff) while attempts are left.
     #[error("{0}")]
     Retryable(String),
+    /// Worth another attempt, while attempts are left, no sooner than the handler says: a
+    /// downstream's `Retry-After`, a rate limit's window. Built by [`JobError::retry_after`].
+    #[error("{0}")]
+    RetryAfter(String, Duration),
     /// Never worth another attempt: the job fails now.
     #[error("{0}")]
     Permanent(String),
 }
 
+/// The longest wait a handler may ask for ([`JobError::retry_after`]); a longer one is cut to
+/// it. A year: any longer is more likely a unit mistaken (milliseconds read as seconds) than
+/// meant, and Postgres's timestamps end where an unbounded one would overflow.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
 impl JobError {
     pub fn retryable(message: impl fmt::Display) -> Self {
         JobError::Retryable(message.to_string())
+    }
+
+    /// Retries the job `after` from now (exactly: no backoff, no jitter; at most
+    /// [`MAX_RETRY_AFTER`]) if attempts are left, and fails it as [`JobError::retryable`] does
+    /// if none are. The attempt is spent, as any failed one is.
+    pub fn retry_after(message: impl fmt::Display, after: Duration) -> Self {
+        JobError::RetryAfter(message.to_string(), after.min(MAX_RETRY_AFTER))
     }
 
     pub fn permanent(message: impl fmt::Display) -> Self {
@@ -184,7 +201,15 @@ impl JobError {
     }
 
     pub fn is_retryable(&self) -> bool {
-        matches!(self, JobError::Retryable(_))
+        matches!(self, JobError::Retryable(_) | JobError::RetryAfter(..))
+    }
+
+    /// The wait the handler asked for, if it named one ([`JobError::retry_after`]).
+    pub fn asked_delay(&self) -> Option<Duration> {
+        match self {
+            JobError::RetryAfter(_, after) => Some((*after).min(MAX_RETRY_AFTER)),
+            JobError::Retryable(_) | JobError::Permanent(_) => None,
+        }
     }
 }
 
@@ -236,6 +261,17 @@ mod tests {
         assert_eq!(JobMessage::decode(r#"{"v":1,"job_id":5,"dispatch_gen":0}"#), Err(MessageError::BadGeneration(0)));
         let huge = format!(r#"{{"v":1,"job_id":1,"dispatch_gen":1,"pad":"{}"}}"#, "x".repeat(5000));
         assert!(matches!(JobMessage::decode(&huge), Err(MessageError::TooLarge(_))));
+    }
+
+    #[test]
+    fn a_named_wait_is_retryable_and_cut_to_a_year_however_it_was_built() {
+        let asked = JobError::retry_after("rate limited", Duration::from_secs(30));
+        assert!(asked.is_retryable());
+        assert_eq!((asked.to_string(), asked.asked_delay()), ("rate limited".into(), Some(Duration::from_secs(30))));
+        assert_eq!(JobError::retry_after("x", Duration::MAX).asked_delay(), Some(MAX_RETRY_AFTER));
+        assert_eq!(JobError::RetryAfter("x".into(), Duration::MAX).asked_delay(), Some(MAX_RETRY_AFTER));
+        assert_eq!(JobError::retryable("x").asked_delay(), None);
+        assert_eq!(JobError::permanent("x").asked_delay(), None);
     }
 
     #[test]

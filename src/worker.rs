@@ -326,10 +326,12 @@ impl Worker {
         let outcome = match result {
             Ok(result) => Outcome::Succeeded { result },
             Err(error) if error.is_retryable() && job.attempt < job.max_attempts => Outcome::RetryLater {
+                backoff: error
+                    .asked_delay()
+                    .unwrap_or_else(|| backoff(job.attempt, self.config.backoff_base, self.config.backoff_max)),
                 error: error.to_string(),
-                backoff: backoff(job.attempt, self.config.backoff_base, self.config.backoff_max),
             },
-            Err(JobError::Retryable(error)) => Outcome::Failed {
+            Err(JobError::Retryable(error) | JobError::RetryAfter(error, _)) => Outcome::Failed {
                 error: format!("{error} (attempt {} of {}: no attempts left)", job.attempt, job.max_attempts),
             },
             Err(JobError::Permanent(error)) => Outcome::Failed { error },

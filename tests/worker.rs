@@ -228,6 +228,50 @@ async fn job_errors_retry_with_backoff_then_succeed_and_fail_when_attempts_run_o
     assert_eq!((row.state, row.attempts), (JobState::Failed, 1), "a permanent error must not retry");
 }
 
+/// A handler that names when to try again (`JobError::retry_after`: a downstream's
+/// `Retry-After`) gets that wait exactly, instead of the backoff; the attempt is spent, the last
+/// one fails the job, and a wait too long to store is cut to `MAX_RETRY_AFTER` instead of failing
+/// the batch's finish.
+#[tokio::test]
+async fn a_handler_that_names_its_retrys_wait_gets_it_instead_of_the_backoff() {
+    let pool = common::database().await;
+    let worker = worker(&pool);
+    let waited = |row: &admin::JobRow| (row.run_at - row.started_at.unwrap()).to_std().unwrap();
+    let ten_minutes = Duration::from_secs(600);
+
+    let asked = common::enqueue(&pool, "fail", json!({"times": 1, "retry_after_ms": 600_000})).await;
+    assert_eq!(dispatch_and_run(&pool, &worker).await, 1);
+    let row = common::job(&pool, asked).await;
+    assert_eq!((row.state, row.attempts), (JobState::Pending, 1), "{:?}", row.last_error);
+    assert!(
+        (ten_minutes..ten_minutes + Duration::from_secs(5)).contains(&waited(&row)),
+        "retry due {:?} after the attempt started, not the 10 minutes asked for",
+        waited(&row)
+    );
+    assert!(row.last_error.as_deref().unwrap().contains("failing on purpose"), "{:?}", row.last_error);
+    let row = run_to_end(&pool, &worker, asked).await;
+    assert_eq!((row.state, row.attempts), (JobState::Succeeded, 2));
+
+    let forever = common::enqueue(&pool, "fail", json!({"times": 9, "retry_after_ms": u64::MAX})).await;
+    assert_eq!(dispatch_and_run(&pool, &worker).await, 1);
+    let row = common::job(&pool, forever).await;
+    assert_eq!(row.state, JobState::Pending, "{:?}", row.last_error);
+    let cap = rowq::job::MAX_RETRY_AFTER;
+    assert!((cap..cap + Duration::from_secs(5)).contains(&waited(&row)), "{:?}", waited(&row));
+
+    let last = admin::enqueue(
+        &pool,
+        &NewJob { max_attempts: Some(1), ..NewJob::new("fail", json!({"times": 9, "retry_after_ms": 1})) },
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(dispatch_and_run(&pool, &worker).await, 1);
+    let row = common::job(&pool, last).await;
+    assert_eq!((row.state, row.attempts), (JobState::Failed, 1));
+    assert!(row.last_error.as_deref().unwrap().contains("no attempts left"), "{:?}", row.last_error);
+}
+
 /// The next step of a workflow, enqueued by a handler through its job's transaction: it exists
 /// once, from the attempt that succeeded, however many attempts failed after enqueuing it, and
 /// it is dispatched and run like any job.
