@@ -334,9 +334,39 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
     wait(pool, id, args.timeout, json).await
 }
 
-/// Jobs enqueued together, per statement: 1,000 payloads of up to 1 MiB each stay far below
-/// what one bound array may hold, and a statement's round trip is shared by 1,000 rows.
+/// Jobs enqueued together, per statement, at most: a statement's round trip is shared by 1,000
+/// rows of small payloads.
 const LINES_PER_STATEMENT: usize = 1000;
+
+/// Payload text per statement, at most (a single line longer than this goes alone). 1,000 lines
+/// of up to 1 MiB each would bind an array of nearly 1 GiB, the most Postgres takes in one value,
+/// and take several times that in memory on both sides once parsed; 8 MiB bounds a statement's
+/// payloads at a few tens of MB and still shares a round trip among 1,000 lines of 8 kB.
+const BYTES_PER_STATEMENT: usize = 8 << 20;
+
+/// `lines` cut into statements of at most [`LINES_PER_STATEMENT`] lines and, unless one line is
+/// larger alone, [`BYTES_PER_STATEMENT`] of text.
+fn statements<'a, 'l>(lines: &'a [(usize, &'l str)]) -> impl Iterator<Item = &'a [(usize, &'l str)]> {
+    let mut rest = lines;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut bytes = 0;
+        let taken = rest
+            .iter()
+            .take(LINES_PER_STATEMENT)
+            .take_while(|(_, line)| {
+                bytes += line.len();
+                bytes <= BYTES_PER_STATEMENT
+            })
+            .count()
+            .max(1);
+        let (statement, after) = rest.split_at(taken);
+        rest = after;
+        Some(statement)
+    })
+}
 
 /// `enqueue --lines`: one job like `job` per line of `source`, all in one transaction.
 async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: bool) -> anyhow::Result<()> {
@@ -356,7 +386,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
     }
     let mut transaction = pool.begin().await.context("cannot enqueue")?;
     let mut ids = Vec::with_capacity(lines.len());
-    for chunk in lines.chunks(LINES_PER_STATEMENT) {
+    for chunk in statements(&lines) {
         let payloads = chunk.iter().map(|(_, line)| parse_payload(line, name)).collect::<anyhow::Result<Vec<_>>>()?;
         match admin::enqueue_many(&mut *transaction, job, &payloads).await {
             Ok(done) => ids.extend(done),
@@ -893,5 +923,31 @@ fn print_table(rows: &[admin::JobRow]) {
             row.run_at.format("%Y-%m-%d %H:%M:%S%.3f"),
             error
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes_of(lines: &[(usize, &str)]) -> Vec<(usize, usize)> {
+        statements(lines).map(|statement| (statement.len(), statement.iter().map(|(_, l)| l.len()).sum())).collect()
+    }
+
+    #[test]
+    fn lines_go_in_statements_of_at_most_1000_lines_and_8_mib_unless_one_line_is_larger() {
+        let small: Vec<(usize, &str)> = (0..2500).map(|n| (n, "{}")).collect();
+        assert_eq!(sizes_of(&small), [(1000, 2000), (1000, 2000), (500, 1000)]);
+        let mib = format!("{{\"pad\":\"{}\"}}", "x".repeat((1 << 20) - 10));
+        let large: Vec<(usize, &str)> = (0..20).map(|n| (n, mib.as_str())).collect();
+        let cut = sizes_of(&large);
+        assert_eq!(cut.iter().map(|(lines, _)| lines).collect::<Vec<_>>(), [&8, &8, &4], "{cut:?}");
+        assert!(cut.iter().all(|(_, bytes)| *bytes <= BYTES_PER_STATEMENT), "{cut:?}");
+        let huge = "x".repeat(BYTES_PER_STATEMENT + 1);
+        let alone = [(0, "{}"), (1, huge.as_str()), (2, "{}")];
+        assert_eq!(sizes_of(&alone), [(1, 2), (1, huge.len()), (1, 2)], "a line over the limit goes alone");
+        let in_order: Vec<usize> = statements(&small).flatten().map(|(n, _)| *n).collect();
+        assert_eq!(in_order, (0..2500).collect::<Vec<_>>());
+        assert_eq!(statements(&[]).count(), 0);
     }
 }
