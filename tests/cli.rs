@@ -729,8 +729,13 @@ async fn list_finds_the_jobs_of_a_group_or_of_a_dedup_key_finished_ones_too() {
 
 /// Runs `rowq ARGS` with `input` on its standard input.
 fn rowq_reading(pool: &PgPool, args: &[&str], input: &str) -> Output {
+    reading(rowq_command(pool, args), input)
+}
+
+/// Runs `command` with `input` on its standard input.
+fn reading(mut command: Command, input: &str) -> Output {
     use std::io::Write;
-    let mut child = rowq_command(pool, args)
+    let mut child = command
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -814,6 +819,117 @@ async fn enqueue_lines_enqueues_a_job_per_line_in_order_or_none_naming_the_bad_l
         let output = rowq(&pool, &[&["enqueue", "resize"][..], &usage[..]].concat());
         assert_eq!(output.status.code(), Some(2), "{usage:?}: a usage error, as clap reports them");
     }
+}
+
+/// A TCP proxy to the test database's server that relays both ways until a client sends its
+/// first `COMMIT`: it passes that on and cuts the client off at once, then closes the server's
+/// side when the server answers. The commit goes through; its answer is lost. Returns the URL
+/// of the database through it (without TLS, so that the proxy can read the `COMMIT`).
+async fn proxy_losing_the_first_commits_answer(pool: &PgPool) -> String {
+    use sqlx::ConnectOptions;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let options = pool.connect_options();
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let armed = Arc::new(AtomicBool::new(true));
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let mut server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+            let armed = armed.clone();
+            tokio::spawn(async move {
+                let (mut asked, mut answered) = (vec![0; 1 << 16], vec![0; 1 << 16]);
+                loop {
+                    tokio::select! {
+                        read = client.read(&mut asked) => {
+                            let Ok(n @ 1..) = read else { return };
+                            let commit = asked[..n].windows(6).any(|bytes| bytes == b"COMMIT");
+                            if server.write_all(&asked[..n]).await.is_err() {
+                                return;
+                            }
+                            if commit && armed.swap(false, Ordering::SeqCst) {
+                                drop(client);
+                                let _ = server.read(&mut answered).await; // the commit's answer, to no one
+                                return;
+                            }
+                        }
+                        read = server.read(&mut answered) => {
+                            let Ok(n @ 1..) = read else { return };
+                            if client.write_all(&answered[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let through = (*options).clone().port(port).ssl_mode(sqlx::postgres::PgSslMode::Disable);
+    through.to_url_lossy().to_string()
+}
+
+/// `rowq enqueue` whose commit's answer is lost does not send its user to enqueue every job
+/// again: it waits for the server process that was committing to end, then looks. A commit that
+/// went through, slowly (a deferred trigger sleeps in it), is reported as enqueued, once; one
+/// whose session was ended in it, as not enqueued; and one the database refused, as refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_whose_commit_answer_is_lost_looks_before_saying_whether_it_went_through() {
+    let pool = common::database().await;
+    let of_kind = |kind: &'static str| {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM rowq.jobs WHERE kind = $1").bind(kind).fetch_one(&pool)
+    };
+    let at_commit = |body: &str| {
+        sqlx::AssertSqlSafe(format!(
+            "CREATE OR REPLACE FUNCTION at_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN {body}; RETURN NULL; END $$"
+        ))
+    };
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "{}; CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON rowq.jobs DEFERRABLE INITIALLY DEFERRED
+        FOR EACH ROW EXECUTE FUNCTION at_commit()",
+        at_commit("PERFORM pg_sleep(0.3)").0
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let through_proxy = |args: &'static [&'static str], input: &'static str| {
+        let pool = pool.clone();
+        async move {
+            let url = proxy_losing_the_first_commits_answer(&pool).await;
+            tokio::task::spawn_blocking(move || {
+                let mut rowq = command(env!("CARGO_BIN_EXE_rowq"), &pool);
+                rowq.args(["--database-url", &url]).args(args);
+                reading(rowq, input)
+            })
+            .await
+            .unwrap()
+        }
+    };
+
+    let output = through_proxy(&["enqueue", "slow", "--lines", "-"], "{}\n{}\n{}\n").await;
+    let message = stderr(&output);
+    assert!(output.status.success(), "{message}");
+    assert!(message.contains("the answer to the commit was lost"), "{message}");
+    assert!(message.contains("exists: the commit went through"), "{message}");
+    assert!(stdout(&output).contains("enqueued 3 jobs"), "{}", stdout(&output));
+    assert_eq!(of_kind("slow").await.unwrap(), 3);
+    let output = through_proxy(&["enqueue", "slow", "{}"], "").await;
+    assert!(output.status.success() && stderr(&output).contains("the commit went through"), "{}", stderr(&output));
+    assert_eq!(of_kind("slow").await.unwrap(), 4);
+
+    sqlx::query(at_commit("PERFORM pg_terminate_backend(pg_backend_pid())")).execute(&pool).await.unwrap();
+    let message = refusal(&pool, &["enqueue", "ended", "{}"]);
+    assert!(message.contains("cannot enqueue: the answer to the commit was lost"), "{message}");
+    assert!(message.contains("does not exist: the commit did not go through"), "{message}");
+    let output = rowq_reading(&pool, &["enqueue", "ended", "--lines", "-"], "{}\n{}\n");
+    assert!(stderr(&output).contains("cannot enqueue, so none was: the answer to the commit"), "{}", stderr(&output));
+    assert_eq!(of_kind("ended").await.unwrap(), 0);
+
+    sqlx::query(at_commit("RAISE check_violation USING MESSAGE = 'refused at commit'")).execute(&pool).await.unwrap();
+    let message = refusal(&pool, &["enqueue", "refused", "{}"]);
+    assert!(message.contains("cannot enqueue: the database refused it: refused at commit"), "{message}");
+    assert_eq!(of_kind("refused").await.unwrap(), 0);
 }
 
 /// A CLI newer than the database's schema (upgraded before the scheduler, which migrates at

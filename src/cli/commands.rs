@@ -301,7 +301,14 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
     if let Some(source) = &args.lines {
         return enqueue_lines(pool, &job, source, json).await;
     }
-    let id = match admin::enqueue(pool, &job).await.map_err(|error| refused(error, "cannot enqueue"))? {
+    let mut transaction = pool.begin().await.context("cannot enqueue")?;
+    let backend = admin::backend_pid(&mut transaction).await.context("cannot enqueue")?;
+    let enqueued = admin::enqueue(&mut *transaction, &job).await.map_err(|error| refused(error, "cannot enqueue"))?;
+    match enqueued {
+        Some(id) => commit_enqueued(pool, transaction, backend, id, "cannot enqueue").await?,
+        None => drop(transaction), // a no-op: its dedup_key is held; nothing to keep, nor to hold open
+    }
+    let id = match enqueued {
         Some(id) if !args.wait => {
             say(json, &serde_json::json!({"id": id, "enqueued": true}), &format!("enqueued job {id}"));
             return Ok(());
@@ -385,6 +392,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
         }
     }
     let mut transaction = pool.begin().await.context("cannot enqueue")?;
+    let backend = admin::backend_pid(&mut transaction).await.context("cannot enqueue")?;
     let mut ids = Vec::with_capacity(lines.len());
     for chunk in statements(&lines) {
         let payloads = chunk.iter().map(|(_, line)| parse_payload(line, name)).collect::<anyhow::Result<Vec<_>>>()?;
@@ -396,7 +404,10 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
             }
         }
     }
-    transaction.commit().await.context("cannot enqueue")?;
+    match ids.first() {
+        Some(&first) => commit_enqueued(pool, transaction, backend, first, "cannot enqueue, so none was").await?,
+        None => drop(transaction), // nothing written
+    }
     let text = match (ids.first(), ids.last()) {
         (Some(first), Some(last)) => format!("enqueued {} jobs (ids {first} to {last})", ids.len()),
         _ => format!("enqueued 0 jobs: {name} has no payload lines"),
@@ -443,6 +454,67 @@ async fn refused_line(
         Ok(Some((None, refusal))) => refused(refusal, WHAT),
         // Refused together and not one by one, or the search could not run: what was refused.
         Ok(None) | Err(_) => refused(error, WHAT),
+    }
+}
+
+/// How long [`commit_enqueued`] waits for the server process of a commit whose answer was lost
+/// to end, before it says it cannot tell whether the jobs were enqueued.
+const COMMIT_SETTLES_WITHIN: Duration = Duration::from_secs(10);
+
+/// Commits `transaction`, on server process `backend`, which enqueued jobs from `first` on.
+///
+/// When the commit's answer is lost (the connection cut, the server shutting down), the client
+/// cannot know whether it committed, and "cannot enqueue" would send its user to enqueue again:
+/// every job twice, if it had. So the database is asked again, on another connection: once the
+/// server process that was committing has ended, `first` exists if and only if the commit went
+/// through. A commit the database refused (a deferred rule, say) enqueued nothing: `refusal`.
+async fn commit_enqueued(
+    pool: &PgPool,
+    transaction: sqlx::Transaction<'_, sqlx::Postgres>,
+    backend: i32,
+    first: JobId,
+    refusal: &str,
+) -> anyhow::Result<()> {
+    let Err(lost) = transaction.commit().await else {
+        return Ok(());
+    };
+    if !answer_lost(&lost) {
+        return Err(refused(lost, refusal));
+    }
+    let settled = async {
+        let deadline = std::time::Instant::now() + COMMIT_SETTLES_WITHIN;
+        while !admin::session_ended(pool, backend).await? {
+            if std::time::Instant::now() > deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok::<_, sqlx::Error>(Some(admin::get(pool, first).await?.is_some()))
+    };
+    let lost = format!("the answer to the commit was lost ({lost})");
+    match settled.await {
+        Ok(Some(true)) => {
+            eprintln!("{lost}, but job {first} exists: the commit went through");
+            Ok(())
+        }
+        Ok(Some(false)) => bail!("{refusal}: {lost}, and job {first} does not exist: the commit did not go through"),
+        Ok(None) => bail!(
+            "{lost}, and the server process that was committing has not ended after {} s: the jobs may be enqueued or not; `rowq status {first}` tells, once it has, before you enqueue them again",
+            COMMIT_SETTLES_WITHIN.as_secs()
+        ),
+        Err(asking) => bail!(
+            "{lost}, and the database cannot be asked whether job {first} exists ({asking}): the jobs may be enqueued or not; `rowq status {first}` tells, before you enqueue them again"
+        ),
+    }
+}
+
+/// Whether a commit failed without the database's answer, or with an answer that says the
+/// session ended (SQLSTATE classes 08, connection exception, and 57P, an administrator's or a
+/// crash's shutdown): then it may have committed or not. Any other answer refused it.
+fn answer_lost(error: &sqlx::Error) -> bool {
+    match error.as_database_error().and_then(|db| db.code()) {
+        Some(code) => code.starts_with("08") || code.starts_with("57P"),
+        None => true,
     }
 }
 

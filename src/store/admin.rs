@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgExecutor, PgPool};
+use sqlx::{PgConnection, PgExecutor, PgPool};
 
 use super::maintenance::{CleanupHolder, cleanup_holders};
 use super::types::from_row;
@@ -140,6 +140,23 @@ pub async fn enqueue_many<'e>(
         ids.sort_unstable(); // RETURNING's order is the insert's in practice, not by contract
         ids
     })
+}
+
+/// The server process behind `connection` (`pg_backend_pid()`). When the answer to a commit on
+/// it is lost, [`session_ended`] says when that process has gone, and with it any doubt about
+/// whether its transaction committed.
+pub async fn backend_pid(connection: &mut PgConnection) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(connection).await
+}
+
+/// Whether server process `pid` has ended ([`backend_pid`]). Until it has, a transaction it was
+/// committing may still commit: a client cut off mid-commit (by the network, or while the
+/// commit waits for a synchronous standby) cannot yet tell by looking for what it wrote.
+pub async fn session_ended(pool: &PgPool, pid: i32) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
+        .bind(pid)
+        .fetch_one(pool)
+        .await
 }
 
 pub async fn get(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
