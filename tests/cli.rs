@@ -207,6 +207,18 @@ async fn bad_input_gets_one_clear_line_and_a_nonzero_exit() {
     assert!(message.contains("jobs_payload_is_a_json_object"), "{message}");
     let message = refusal(&pool, &["enqueue", "noop", r#"{"a":"\u0000"}"#]);
     assert!(message.contains("the database refused it: unsupported Unicode escape sequence (\\u0000"), "{message}");
+    // clap's usage errors exit 2; a time without its offset says what a time must be.
+    for args in
+        [&["enqueue", "noop", "--run-at", "2026-12-01 09:00"][..], &["retry", "--all-failed", "--since", "today"]]
+    {
+        let output = rowq(&pool, args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        assert!(
+            stderr(&output).contains("not an RFC 3339 time with its offset, as 2026-12-01T09:00:00Z"),
+            "{}",
+            stderr(&output)
+        );
+    }
     let message = refusal(&pool, &["status", "424242"]);
     assert!(message.contains("job 424242 does not exist"), "{message}");
 

@@ -32,7 +32,7 @@ pub struct EnqueueArgs {
     #[arg(long, allow_hyphen_values = true)]
     priority: Option<i16>,
     /// Not before this time (RFC 3339, e.g. 2026-12-01T09:00:00Z).
-    #[arg(long, conflicts_with = "delay")]
+    #[arg(long, conflicts_with = "delay", value_parser = a_time)]
     run_at: Option<DateTime<Utc>>,
     /// Not before this many seconds from now.
     #[arg(long)]
@@ -98,10 +98,10 @@ pub struct FinishedArgs {
     #[arg(long, requires = "many")]
     kind: Option<String>,
     /// Only the jobs that finished (failed, or were cancelled) at or after this time (RFC 3339).
-    #[arg(long, requires = "many")]
+    #[arg(long, requires = "many", value_parser = a_time)]
     since: Option<DateTime<Utc>>,
     /// Only the jobs that finished before this time (RFC 3339).
-    #[arg(long, requires = "many")]
+    #[arg(long, requires = "many", value_parser = a_time)]
     before: Option<DateTime<Utc>>,
     /// Say what --all-failed or --all-cancelled would do, and change nothing.
     #[arg(long, requires = "many")]
@@ -516,6 +516,14 @@ fn answer_lost(error: &sqlx::Error) -> bool {
         Some(code) => code.starts_with("08") || code.starts_with("57P"),
         None => true,
     }
+}
+
+/// A time given on the command line: RFC 3339, with its offset. chrono's own parser says only
+/// "premature end of input" of `2026-12-01 09:00`, which leaves the user to guess what is missing.
+fn a_time(text: &str) -> Result<DateTime<Utc>, String> {
+    DateTime::parse_from_rfc3339(text).map(|at| at.with_timezone(&Utc)).map_err(|error| {
+        format!("not an RFC 3339 time with its offset, as 2026-12-01T09:00:00Z or 2026-12-01T10:00:00+01:00 ({error})")
+    })
 }
 
 /// All of FILE, or of standard input for `-`.
