@@ -302,10 +302,10 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
         return enqueue_lines(pool, &job, source, json).await;
     }
     let mut transaction = pool.begin().await.context("cannot enqueue")?;
-    let backend = admin::backend_pid(&mut transaction).await.context("cannot enqueue")?;
+    let xid = admin::transaction_id(&mut transaction).await.context("cannot enqueue")?;
     let enqueued = admin::enqueue(&mut *transaction, &job).await.map_err(|error| refused(error, "cannot enqueue"))?;
     match enqueued {
-        Some(id) => commit_enqueued(pool, transaction, backend, id, "cannot enqueue").await?,
+        Some(id) => commit_enqueued(pool, transaction, xid, id, "cannot enqueue").await?,
         None => drop(transaction), // a no-op: its dedup_key is held; nothing to keep, nor to hold open
     }
     let id = match enqueued {
@@ -392,7 +392,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
         }
     }
     let mut transaction = pool.begin().await.context("cannot enqueue")?;
-    let backend = admin::backend_pid(&mut transaction).await.context("cannot enqueue")?;
+    let xid = admin::transaction_id(&mut transaction).await.context("cannot enqueue")?;
     let mut ids = Vec::with_capacity(lines.len());
     for chunk in statements(&lines) {
         let payloads = chunk.iter().map(|(_, line)| parse_payload(line, name)).collect::<anyhow::Result<Vec<_>>>()?;
@@ -405,7 +405,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
         }
     }
     match ids.first() {
-        Some(&first) => commit_enqueued(pool, transaction, backend, first, "cannot enqueue, so none was").await?,
+        Some(&first) => commit_enqueued(pool, transaction, xid, first, "cannot enqueue, so none was").await?,
         None => drop(transaction), // nothing written
     }
     let text = match (ids.first(), ids.last()) {
@@ -457,54 +457,54 @@ async fn refused_line(
     }
 }
 
-/// How long [`commit_enqueued`] waits for the server process of a commit whose answer was lost
-/// to end, before it says it cannot tell whether the jobs were enqueued.
+/// How long [`commit_enqueued`] waits for a commit whose answer was lost to end, before it says
+/// it cannot tell whether the jobs were enqueued.
 const COMMIT_SETTLES_WITHIN: Duration = Duration::from_secs(10);
 
-/// Commits `transaction`, on server process `backend`, which enqueued jobs from `first` on.
+/// Commits `transaction` (transaction id `xid`), which enqueued jobs from `first` on.
 ///
 /// When the commit's answer is lost (the connection cut, the server shutting down), the client
 /// cannot know whether it committed, and "cannot enqueue" would send its user to enqueue again:
-/// every job twice, if it had. So the database is asked again, on another connection: once the
-/// server process that was committing has ended, `first` exists if and only if the commit went
-/// through. A commit the database refused (a deferred rule, say) enqueued nothing: `refusal`.
+/// every job twice, if it had. So the database is asked, on another connection, what became of
+/// the transaction, until it has ended. A commit the database refused (a deferred rule, say)
+/// enqueued nothing: `refusal`.
 async fn commit_enqueued(
     pool: &PgPool,
     transaction: sqlx::Transaction<'_, sqlx::Postgres>,
-    backend: i32,
+    xid: i64,
     first: JobId,
     refusal: &str,
 ) -> anyhow::Result<()> {
+    use admin::TransactionStatus::{Aborted, Committed, Forgotten, InProgress};
     let Err(lost) = transaction.commit().await else {
         return Ok(());
     };
     if !answer_lost(&lost) {
         return Err(refused(lost, refusal));
     }
-    let settled = async {
-        let deadline = std::time::Instant::now() + COMMIT_SETTLES_WITHIN;
-        while !admin::session_ended(pool, backend).await? {
-            if std::time::Instant::now() > deadline {
-                return Ok(None);
+    let deadline = std::time::Instant::now() + COMMIT_SETTLES_WITHIN;
+    let ended = loop {
+        match admin::transaction_status(pool, xid).await {
+            Ok(InProgress) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            status => break status,
         }
-        Ok::<_, sqlx::Error>(Some(admin::get(pool, first).await?.is_some()))
     };
     let lost = format!("the answer to the commit was lost ({lost})");
-    match settled.await {
-        Ok(Some(true)) => {
-            eprintln!("{lost}, but job {first} exists: the commit went through");
+    let unknown = format!("`rowq status {first}` tells whether they were, before you enqueue them again");
+    match ended {
+        Ok(Committed) => {
+            eprintln!("{lost}; transaction {xid} committed all the same: enqueued");
             Ok(())
         }
-        Ok(Some(false)) => bail!("{refusal}: {lost}, and job {first} does not exist: the commit did not go through"),
-        Ok(None) => bail!(
-            "{lost}, and the server process that was committing has not ended after {} s: the jobs may be enqueued or not; `rowq status {first}` tells, once it has, before you enqueue them again",
+        Ok(Aborted) => bail!("{refusal}: {lost}, and transaction {xid} was rolled back"),
+        Ok(InProgress) => bail!(
+            "{lost}, and transaction {xid} is still committing after {} s: {unknown}",
             COMMIT_SETTLES_WITHIN.as_secs()
         ),
-        Err(asking) => bail!(
-            "{lost}, and the database cannot be asked whether job {first} exists ({asking}): the jobs may be enqueued or not; `rowq status {first}` tells, before you enqueue them again"
-        ),
+        Ok(Forgotten) => bail!("{lost}, and the database no longer knows transaction {xid}: {unknown}"),
+        Err(asking) => bail!("{lost}, and the database cannot be asked what became of it ({asking}): {unknown}"),
     }
 }
 

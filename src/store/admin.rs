@@ -142,21 +142,54 @@ pub async fn enqueue_many<'e>(
     })
 }
 
-/// The server process behind `connection` (`pg_backend_pid()`). When the answer to a commit on
-/// it is lost, [`session_ended`] says when that process has gone, and with it any doubt about
-/// whether its transaction committed.
-pub async fn backend_pid(connection: &mut PgConnection) -> Result<i32, sqlx::Error> {
-    sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(connection).await
+/// The id of the transaction `connection` is in, given one if it had none yet. When the answer
+/// to its commit is lost, [`transaction_status`] says what became of it: the function Postgres
+/// keeps for that (`pg_xact_status`; `txid_status` before 13).
+pub async fn transaction_id(connection: &mut PgConnection) -> Result<i64, sqlx::Error> {
+    let (give_id, _) = transaction_statements(has_xid8(connection));
+    sqlx::query_scalar(give_id).fetch_one(connection).await
 }
 
-/// Whether server process `pid` has ended ([`backend_pid`]). Until it has, a transaction it was
-/// committing may still commit: a client cut off mid-commit (by the network, or while the
-/// commit waits for a synchronous standby) cannot yet tell by looking for what it wrote.
-pub async fn session_ended(pool: &PgPool, pid: i32) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
-        .bind(pid)
-        .fetch_one(pool)
-        .await
+/// What became of a transaction ([`transaction_id`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransactionStatus {
+    Committed,
+    Aborted,
+    /// Not yet ended: a commit may still be on its way (waiting for a synchronous standby, say).
+    InProgress,
+    /// So old that Postgres no longer keeps its outcome.
+    Forgotten,
+}
+
+/// What became of transaction `id`, asked on any connection of `pool`: unlike looking for what
+/// it wrote, this tells a commit still in progress from one that never happened.
+pub async fn transaction_status(pool: &PgPool, id: i64) -> Result<TransactionStatus, sqlx::Error> {
+    let mut connection = pool.acquire().await?;
+    let (_, ask) = transaction_statements(has_xid8(&connection));
+    let status: Option<String> = sqlx::query_scalar(ask).bind(id).fetch_one(&mut *connection).await?;
+    Ok(match status.as_deref() {
+        Some("committed") => TransactionStatus::Committed,
+        Some("aborted") => TransactionStatus::Aborted,
+        Some(_) => TransactionStatus::InProgress,
+        None => TransactionStatus::Forgotten,
+    })
+}
+
+/// Whether the server has the `xid8` functions (13 and later), which replace the `txid_*` ones,
+/// deprecated "to be removed in a future release" (rowq supports 12).
+fn has_xid8(connection: &PgConnection) -> bool {
+    connection.server_version_num().is_some_and(|number| number >= 130_000)
+}
+
+/// The statements that give the transaction an id (`bigint`) and ask what became of one
+/// (`'committed'`, `'aborted'`, `'in progress'` or `NULL`): with the `xid8` functions, or with
+/// the `txid_*` ones of PostgreSQL 12.
+pub fn transaction_statements(xid8: bool) -> (&'static str, &'static str) {
+    if xid8 {
+        ("SELECT pg_current_xact_id()::text::bigint", "SELECT pg_xact_status($1::bigint::text::xid8)")
+    } else {
+        ("SELECT txid_current()", "SELECT txid_status($1)")
+    }
 }
 
 pub async fn get(pool: &PgPool, id: JobId) -> Result<Option<JobRow>, sqlx::Error> {
