@@ -15,7 +15,6 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -25,9 +24,7 @@ use rowq::pipeline::{Pipeline, PipelineConfig};
 use rowq::{Registry, Worker};
 use sqlx::PgPool;
 use sqlx::migrate::MigrateDatabase;
-use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
-use tokio::sync::watch;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -163,7 +160,9 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
     let queues = common::queues(&sqs, 10, Duration::from_secs(30)).await;
 
     // Children reach SQS through a proxy the harness can cut.
-    let (proxy_endpoint, outage) = start_proxy().await?;
+    let upstream = common::endpoint().trim_start_matches("http://").trim_end_matches('/').to_string();
+    let (proxy_address, outage) = common::cuttable_proxy(upstream).await?;
+    let proxy_endpoint = format!("http://{proxy_address}");
     let logs = std::env::temp_dir().join(format!("rowq-chaos-{}", std::process::id()));
     std::fs::create_dir_all(&logs)?;
     let world = World {
@@ -434,36 +433,6 @@ async fn duplicate_in_flight(
         rows.into_iter().map(|(id, generation)| (rowq::JobId(id), generation)).collect();
     let sent = common::send_job_messages(sqs, queue_url, &messages, &format!("chaos-{nonce}")).await?;
     Ok(sent as u64)
-}
-
-/// A TCP proxy in front of LocalStack; sending `true` on the returned channel makes the
-/// endpoint unreachable (open connections are cut, new ones refused) until `false`.
-async fn start_proxy() -> Result<(String, Arc<watch::Sender<bool>>), Error> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let address = listener.local_addr()?;
-    let upstream = common::endpoint().trim_start_matches("http://").trim_end_matches('/').to_string();
-    let (outage, _) = watch::channel(false);
-    let outage = Arc::new(outage);
-    let handle = outage.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut inbound, _)) = listener.accept().await else { continue };
-            if *handle.borrow() {
-                drop(inbound);
-                continue;
-            }
-            let mut cut = handle.subscribe();
-            let upstream = upstream.clone();
-            tokio::spawn(async move {
-                let Ok(mut outbound) = TcpStream::connect(&upstream).await else { return };
-                tokio::select! {
-                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                    _ = cut.wait_for(|down| *down) => {}
-                }
-            });
-        }
-    });
-    Ok((format!("http://{address}"), outage))
 }
 
 type Check = (&'static str, bool, String);

@@ -1128,6 +1128,58 @@ async fn a_wait_ends_with_the_job_and_its_exit_code_says_how_it_ended() {
     pipeline.stop().await;
 }
 
+/// A wait outlasts an outage of the database (a failover, a restart): it says the database
+/// cannot be reached, reads again, and ends with the job's outcome. An outage that outlasts
+/// `--timeout` ends it as a timeout (124) with the job as last read, not as a failed job (1).
+#[tokio::test]
+async fn a_wait_outlasts_an_outage_of_the_database_and_ends_with_the_jobs_outcome() {
+    use sqlx::ConnectOptions;
+    let pool = common::database().await;
+    let options = pool.connect_options();
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let (proxy, outage) = common::cuttable_proxy(upstream).await.unwrap();
+    let url = (*options).clone().port(proxy.port()).to_url_lossy().to_string();
+    let wait = |id: rowq::JobId, timeout: &str| {
+        let mut rowq = command(env!("CARGO_BIN_EXE_rowq"), &pool);
+        rowq.args(["--database-url", &url, "wait", &id.to_string(), "--timeout", timeout]);
+        let mut rowq = tokio::process::Command::from(rowq);
+        rowq.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        rowq.spawn().expect("start rowq wait")
+    };
+    let pending = || common::enqueue(&pool, "noop", json!({})); // no scheduler runs: it waits
+
+    let id = pending().await;
+    let waiting = wait(id, "60");
+    tokio::time::sleep(Duration::from_secs(1)).await; // it has read the job, pending
+    outage.send_replace(true);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now(), result = '{\"n\": 1}' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    outage.send_replace(false);
+    let output = waiting.wait_with_output().await.unwrap();
+    let progress = stderr(&output);
+    assert_eq!(output.status.code(), Some(0), "{progress}");
+    assert!(progress.contains(&format!("job {id}: the database cannot be reached (")), "{progress}");
+    assert!(progress.contains(&format!("job {id}: the database answers again\njob {id} succeeded\n")), "{progress}");
+    assert!(stdout(&output).starts_with(&format!("job {id}  succeeded")), "{}", stdout(&output));
+
+    let id = pending().await;
+    let waiting = wait(id, "2");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    outage.send_replace(true);
+    let output = waiting.wait_with_output().await.unwrap();
+    outage.send_replace(false);
+    assert_eq!(output.status.code(), Some(124), "{}", stderr(&output));
+    assert!(stderr(&output).contains("the database cannot be reached"), "{}", stderr(&output));
+    assert_eq!(
+        last_line(&output),
+        format!("rowq: job {id} is still pending after 2 s: it goes on; `rowq wait` again or `rowq status`")
+    );
+}
+
 /// A service, `scheduler` or `rowq work`, running until killed (also when the test fails)
 /// with its health endpoint on a free port of 127.0.0.1.
 struct Service {

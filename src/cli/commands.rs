@@ -509,13 +509,10 @@ async fn commit_enqueued(
 }
 
 /// Whether a commit failed without the database's answer, or with an answer that says the
-/// session ended (SQLSTATE classes 08, connection exception, and 57P, an administrator's or a
-/// crash's shutdown): then it may have committed or not. Any other answer refused it.
+/// session ended ([`store::unreachable`]: a lost connection, a shutdown): then it may have
+/// committed or not. Any other answer from the database refused it.
 fn answer_lost(error: &sqlx::Error) -> bool {
-    match error.as_database_error().and_then(|db| db.code()) {
-        Some(code) => code.starts_with("08") || code.starts_with("57P"),
-        None => true,
-    }
+    error.as_database_error().is_none() || store::unreachable(error)
 }
 
 /// A time given on the command line: RFC 3339, with its offset. chrono's own parser says only
@@ -575,10 +572,13 @@ async fn wait(pool: &PgPool, id: JobId, timeout: Option<u64>, json: bool) -> any
     if !json {
         warn_if_paused(pool, id).await?;
     }
-    let waited = admin::wait_finished(pool, id, timeout, |row| {
-        if !json {
-            eprintln!("job {id} {}", progress(row));
+    let waited = admin::wait_finished(pool, id, timeout, |seen| match seen {
+        admin::WaitProgress::Seen(row) if !json => eprintln!("job {id} {}", progress(row)),
+        admin::WaitProgress::Seen(_) => {}
+        admin::WaitProgress::Unreachable(error) => {
+            eprintln!("job {id}: the database cannot be reached ({error}); still waiting, reading it again")
         }
+        admin::WaitProgress::Reachable => eprintln!("job {id}: the database answers again"),
     })
     .await
     .context("cannot read the job")?;

@@ -227,25 +227,58 @@ pub enum Waited {
 pub const WAIT_FIRST_POLL: Duration = Duration::from_millis(10);
 pub const WAIT_MAX_POLL: Duration = Duration::from_millis(500);
 
-/// Reads job `id` until it is finished or `timeout` has passed (`None`: no limit), and calls
-/// `seen` with the first row read and with every one whose state or attempts changed. A read
-/// of its primary key each time; nothing is written, nothing is listened for. For a client that
-/// enqueued a job and needs its outcome: `rowq wait`, `rowq enqueue --wait`.
+/// What [`wait_finished`] tells its caller while it waits.
+#[derive(Debug)]
+pub enum WaitProgress<'a> {
+    /// The first row read, and each one whose state or attempts changed.
+    Seen(&'a JobRow),
+    /// A read failed because the database could not be reached ([`crate::store::unreachable`]:
+    /// a failover, a restart): the wait goes on, reading again. Told once an outage.
+    Unreachable(&'a sqlx::Error),
+    /// A read succeeded again after [`WaitProgress::Unreachable`].
+    Reachable,
+}
+
+/// Reads job `id` until it is finished or `timeout` has passed (`None`: no limit), telling
+/// `progress` what it sees. A read of its primary key each time; nothing is written, nothing
+/// is listened for. For a client that enqueued a job and needs its outcome: `rowq wait`,
+/// `rowq enqueue --wait`. A wait outlasts the database's outages: a read that cannot reach it
+/// is tried again (each [`WAIT_MAX_POLL`]) until the timeout, which then ends the wait with the
+/// row as last read (`Unfinished`), or with the error if none was ever read. Any other error
+/// ends it at once.
 pub async fn wait_finished(
     pool: &PgPool,
     id: JobId,
     timeout: Option<Duration>,
-    mut seen: impl FnMut(&JobRow),
+    mut progress: impl FnMut(WaitProgress<'_>),
 ) -> Result<Waited, sqlx::Error> {
     let deadline = timeout.map(|timeout| tokio::time::Instant::now() + timeout);
     let mut pause = WAIT_FIRST_POLL;
     let mut previous: Option<JobRow> = None;
+    let mut unreachable = false;
     loop {
-        let Some(row) = get(pool, id).await? else {
-            return Ok(previous.map_or(Waited::Missing, Waited::Deleted));
+        let row = match get(pool, id).await {
+            Ok(Some(row)) => row,
+            Ok(None) => return Ok(previous.map_or(Waited::Missing, Waited::Deleted)),
+            Err(error) if crate::store::unreachable(&error) => {
+                if !std::mem::replace(&mut unreachable, true) {
+                    progress(WaitProgress::Unreachable(&error));
+                }
+                let now = tokio::time::Instant::now();
+                if deadline.is_some_and(|deadline| deadline <= now) {
+                    return previous.map(Waited::Unfinished).ok_or(error);
+                }
+                let left = deadline.map_or(WAIT_MAX_POLL, |deadline| deadline - now);
+                tokio::time::sleep(WAIT_MAX_POLL.min(left)).await;
+                continue;
+            }
+            Err(error) => return Err(error),
         };
+        if std::mem::replace(&mut unreachable, false) {
+            progress(WaitProgress::Reachable);
+        }
         if previous.as_ref().map(|before| (before.state, before.attempts)) != Some((row.state, row.attempts)) {
-            seen(&row);
+            progress(WaitProgress::Seen(&row));
         }
         if row.state.is_terminal() {
             return Ok(Waited::Finished(row));

@@ -236,6 +236,21 @@ pub async fn invalid_indexes<'e>(executor: impl PgExecutor<'e>) -> Result<Vec<St
     .await
 }
 
+/// Whether `error` says the database could not be reached, or went away, rather than that it
+/// refused a statement: the connection refused, lost or timed out, no connection to be had in
+/// time, the server shutting down, restarting or not yet accepting connections (SQLSTATE
+/// classes 08 and 57P), or out of connection slots (53300). What a failover or a restart looks
+/// like to a client, for a while; a client that can wait, reads again.
+pub fn unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => {
+            db.code().is_some_and(|code| code.starts_with("08") || code.starts_with("57P") || code == "53300")
+        }
+        _ => false,
+    }
+}
+
 /// Milliseconds as the `bigint` the SQL statements take for intervals.
 fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)

@@ -447,3 +447,34 @@ pub async fn create_effects(pool: &PgPool) {
         .await
         .unwrap();
 }
+
+/// A TCP proxy in front of `upstream` (`host:port`); sending `true` on the returned channel makes
+/// it unreachable (open connections are cut, new ones refused) until `false`: an outage of
+/// LocalStack, or of Postgres, at the tests' command.
+pub async fn cuttable_proxy(
+    upstream: String,
+) -> Result<(std::net::SocketAddr, std::sync::Arc<tokio::sync::watch::Sender<bool>>), std::io::Error> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let outage = std::sync::Arc::new(tokio::sync::watch::channel(false).0);
+    let handle = outage.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut inbound, _)) = listener.accept().await else { continue };
+            if *handle.borrow() {
+                drop(inbound);
+                continue;
+            }
+            let mut cut = handle.subscribe();
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await else { return };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    _ = cut.wait_for(|down| *down) => {}
+                }
+            });
+        }
+    });
+    Ok((address, outage))
+}
