@@ -275,6 +275,7 @@ impl<P: Publisher> Scheduler<P> {
     }
 
     fn db_error(&self, action: &'static str, source: sqlx::Error) -> DispatchError {
+        crate::secret::note(&source);
         DispatchError::Database { action, queue: self.config.queue.clone(), source }
     }
 
@@ -534,6 +535,7 @@ impl<P: Publisher> Scheduler<P> {
         match connected.await {
             Ok(listener) => Some(listener),
             Err(error) => {
+                crate::secret::note(&error);
                 tracing::warn!(error = %error, "could not LISTEN; polling until it can");
                 None
             }
@@ -572,6 +574,7 @@ impl<P: Publisher> Scheduler<P> {
                 report.more_left
             }
             Err(error) => {
+                crate::secret::note(&error);
                 tracing::warn!(error = %error, "maintenance failed; will retry");
                 false
             }

@@ -52,6 +52,7 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
                 "dead-letter message for a finished or re-dispatched job acknowledged"
             ),
             Err(error) => {
+                crate::secret::note(&error);
                 tracing::error!(error = %error, sqs.message_id = %message_id, "could not record a dead letter: database unavailable; it will be redelivered");
                 failed.push(message_id);
             }

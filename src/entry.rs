@@ -19,6 +19,7 @@ use crate::config::{self, DatabaseConfig, SchedulerConfig, WorkerConfig};
 use crate::dispatch::{self, Scheduler};
 use crate::handlers::Registry;
 use crate::sqs::{self, SqsPublisher};
+use crate::store::Session;
 use crate::worker::{self, Worker};
 use crate::{dlq, health, secret, store};
 
@@ -41,11 +42,14 @@ fn block_on<F: Future<Output = Result<(), Error>>>(future: F) -> Result<(), Erro
     tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(future)
 }
 
-/// The Lambdas' pool: the database URL from its secret if one is configured, connecting on
-/// first use (a cold start does not fail while the database is briefly unreachable).
+/// The Lambdas' pool: the database URL from its secret if one is configured (and read again
+/// when the database refuses a login: [`secret::follow`]), connecting on first use (a cold
+/// start does not fail while the database is briefly unreachable).
 async fn lazy_pool(database: &mut DatabaseConfig) -> Result<PgPool, Error> {
     secret::resolve(database).await?;
-    Ok(store::connect_lazy(database)?)
+    let pool = store::connect_lazy(database)?;
+    secret::follow(database, vec![(pool.clone(), Session::Server)]);
+    Ok(pool)
 }
 
 /// The worker Lambda: the database URL from its secret if one is configured, a pool that
@@ -86,6 +90,7 @@ pub fn scheduler(mut config: SchedulerConfig, once: bool) -> Result<(), Error> {
         let pool = store::connect_scheduler(&config.database)
             .await
             .map_err(|error| format!("cannot connect to {}: {error}", config::redact_url(&config.database.url)))?;
+        secret::follow(&config.database, vec![(pool.clone(), Session::Scheduler)]);
         health.starting("applying migrations");
         store::migrate(&pool).await.map_err(|error| format!("cannot apply migrations: {error}"))?;
         let publisher = SqsPublisher::new(sqs::client().await, config.queue_url.clone());

@@ -216,6 +216,7 @@ impl JobError {
 /// A database error inside a handler is worth a retry: the job's own transaction rolled back.
 impl From<sqlx::Error> for JobError {
     fn from(error: sqlx::Error) -> Self {
+        crate::secret::note(&error);
         JobError::Retryable(format!("database error: {error}"))
     }
 }

@@ -1,12 +1,18 @@
-//! The database URL from AWS Secrets Manager, read once at cold start when
-//! `ROWQ_DATABASE_SECRET_ARN` is set instead of `DATABASE_URL` (the deployed Lambdas).
+//! The database URL from AWS Secrets Manager, read at cold start when
+//! `ROWQ_DATABASE_SECRET_ARN` is set instead of `DATABASE_URL` (the deployed Lambdas), and read
+//! again when the database refuses a login ([`follow`]): a rotated secret.
 //!
 //! The secret may hold a URL (`postgres://...`), a JSON object with a `url`, or the JSON that
 //! RDS writes for a managed secret (`username`, `password`, `host`, `port`, `dbname`).
 
+use std::time::Duration;
+
 use serde::Deserialize;
+use sqlx::PgPool;
+use tokio::sync::Notify;
 
 use crate::config::DatabaseConfig;
+use crate::store::{self, Session};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {
@@ -18,18 +24,87 @@ pub enum SecretError {
 
 /// Fills `database.url` from the secret when one is configured; otherwise leaves it alone.
 pub async fn resolve(database: &mut DatabaseConfig) -> Result<(), SecretError> {
-    let Some(arn) = database.secret_arn.clone() else {
-        return Ok(());
-    };
+    if let Some(arn) = &database.secret_arn {
+        database.url = read(arn).await?;
+    }
+    Ok(())
+}
+
+/// The database URL secret `arn` holds now.
+async fn read(arn: &str) -> Result<String, SecretError> {
     let config = crate::sqs::aws_config().load().await;
     let client = aws_sdk_secretsmanager::Client::new(&config);
-    let output = client.get_secret_value().secret_id(&arn).send().await.map_err(|e| SecretError::Read {
-        arn: arn.clone(),
+    let output = client.get_secret_value().secret_id(arn).send().await.map_err(|e| SecretError::Read {
+        arn: arn.to_string(),
         detail: aws_sdk_secretsmanager::error::DisplayErrorContext(e).to_string(),
     })?;
-    let text = output.secret_string().ok_or_else(|| SecretError::Format { arn: arn.clone() })?;
-    database.url = url_from_secret(text).ok_or(SecretError::Format { arn })?;
-    Ok(())
+    let text = output.secret_string().ok_or_else(|| SecretError::Format { arn: arn.to_string() })?;
+    url_from_secret(text).ok_or_else(|| SecretError::Format { arn: arn.to_string() })
+}
+
+/// A login the database refused, as [`note`] heard of it; [`follow`] waits on it.
+static LOGIN_REFUSED: Notify = Notify::const_new();
+
+/// The least time between two reads of the secret by [`follow`]: a database that refuses every
+/// login, with a secret that does not change, costs a read every 10 s, not one per statement.
+pub const REREAD_AT_MOST_EVERY: Duration = Duration::from_secs(10);
+
+/// Tells [`follow`] that the database refused a login (SQLSTATE class 28: a password or a
+/// user that no longer works) if `error` says so. Every place that meets the database's errors
+/// in a long-lived process (the worker's statements, the scheduler's passes, maintenance and
+/// listener, the DLQ handler) passes them here; without a secret to follow, it does nothing.
+pub fn note(error: &sqlx::Error) {
+    if error.as_database_error().and_then(|db| db.code()).is_some_and(|code| code.starts_with("28")) {
+        LOGIN_REFUSED.notify_one();
+    }
+}
+
+/// Keeps `pools` connecting with the URL the database secret holds, when `database` names one.
+///
+/// Read only at start, a secret was kept for the life of the process: once it was rotated (RDS
+/// rotates a managed master user's password every 7 days unless told otherwise), the old
+/// password kept working on the connections already open and on no new one, so a warm Lambda or
+/// a scheduler service failed every statement that needed a new connection until it was
+/// replaced: the worker's batches, the DLQ handler's, the scheduler's passes, all of them. Now
+/// each login the database refuses ([`note`]) has the secret read again (at most every
+/// [`REREAD_AT_MOST_EVERY`]); when it holds another URL, each pool opens its new connections
+/// with it (its own session settings kept), and the statements that failed are retried as
+/// before: SQS redelivers the batches, the scheduler passes again.
+pub fn follow(database: &DatabaseConfig, pools: Vec<(PgPool, Session)>) {
+    let Some(arn) = database.secret_arn.clone() else {
+        return;
+    };
+    let mut current = database.url.clone();
+    tokio::spawn(async move {
+        loop {
+            LOGIN_REFUSED.notified().await;
+            let read_at = tokio::time::Instant::now();
+            match read(&arn).await {
+                Ok(url) if url == current => tracing::warn!(
+                    secret = %arn,
+                    "the database refused a login, and the database secret still holds the URL it was opened with"
+                ),
+                Ok(url) => {
+                    let given = pools.iter().try_for_each(|(pool, session)| {
+                        store::session_options(&url, *session).map(|options| pool.set_connect_options(options))
+                    });
+                    match given {
+                        Ok(()) => {
+                            tracing::info!(secret = %arn, "the database secret has changed: new connections use it");
+                            current = url;
+                        }
+                        Err(error) => {
+                            tracing::error!(secret = %arn, error = %error, "the database secret's new URL is not one")
+                        }
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(error = %error, "the database refused a login, and its secret cannot be read again")
+                }
+            }
+            tokio::time::sleep_until(read_at + REREAD_AT_MOST_EVERY).await;
+        }
+    });
 }
 
 #[derive(Deserialize)]

@@ -253,6 +253,7 @@ impl Worker {
         let started = match steps.call(requests.into_iter().map(Step::Start).collect()).await {
             Ok(done) => done.into_iter().filter_map(Done::started),
             Err(error) => {
+                crate::secret::note(&error);
                 tracing::error!(error = %error, records = round.len(), "could not start jobs: database unavailable; records will be redelivered");
                 return round.iter().map(|(g, _)| *g).collect();
             }
@@ -387,6 +388,7 @@ impl Worker {
                 }
             }
             Err(error) => {
+                crate::secret::note(&error);
                 tracing::error!(error = %error, jobs = pending.len(), "could not record outcomes: database unavailable; records will be redelivered");
                 failed.extend(pending.iter().map(|e| e.record.message_id.clone()));
             }

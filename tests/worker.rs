@@ -272,6 +272,68 @@ async fn a_handler_that_names_its_retrys_wait_gets_it_instead_of_the_backoff() {
     assert!(row.last_error.as_deref().unwrap().contains("no attempts left"), "{:?}", row.last_error);
 }
 
+/// A worker whose database secret is rotated (RDS rotates a managed password every 7 days)
+/// reads it again when the database refuses a login, and opens its next connections with it:
+/// the batch that met the refusal is handed back, and runs when redelivered. The tests' server
+/// trusts any password, so here the secret's user changes and the old one may no longer log in.
+#[tokio::test]
+async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
+    use sqlx::ConnectOptions;
+    let pool = common::database().await;
+    let secrets = aws_sdk_secretsmanager::Client::new(&common::aws_at(&common::endpoint()).await);
+    let options = pool.connect_options();
+    let database = options.get_database().expect("a test pool names its database").to_string();
+    let [old, new] = ["old", "new"].map(|role| format!("rowq_test_rotated_{role}_{}", std::process::id()));
+    let run = |sql: String| sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool);
+    for role in [&old, &new] {
+        run(format!("CREATE ROLE {role} LOGIN SUPERUSER")).await.unwrap();
+    }
+    let url_as = |role: &str| (*options).clone().username(role).to_url_lossy().to_string();
+    let created = secrets.create_secret().name(format!("rowq-test/rotated-{database}")).secret_string(url_as(&old));
+    let arn = created.send().await.expect("create the secret").arn.expect("a created secret has an ARN");
+
+    let mut config = rowq::config::DatabaseConfig { url: String::new(), pool_size: 2, secret_arn: Some(arn.clone()) };
+    rowq::secret::resolve(&mut config).await.unwrap();
+    let worker_pool = rowq::store::connect_lazy(&config).unwrap();
+    rowq::secret::follow(&config, vec![(worker_pool.clone(), rowq::store::Session::Server)]);
+    let worker = Worker::new(worker_pool.clone(), registry(), common::worker_config());
+    let user = || sqlx::query_scalar::<_, String>("SELECT current_user::text").fetch_one(&worker_pool);
+    let first = common::enqueue(&pool, "echo", json!({"n": 1})).await;
+    assert_eq!(dispatch_and_run(&pool, &worker).await, 1);
+    assert_eq!(common::job(&pool, first).await.state, JobState::Succeeded);
+    assert_eq!(user().await.unwrap(), old);
+
+    // The rotation: the secret names the new login; the old one is refused, its sessions ended.
+    secrets.put_secret_value().secret_id(&arn).secret_string(url_as(&new)).send().await.expect("rotate");
+    run(format!("ALTER ROLE {old} NOLOGIN")).await.unwrap();
+    run(format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{old}'")).await.unwrap();
+    let second = common::enqueue(&pool, "echo", json!({"n": 2})).await;
+    let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), common::scheduler_config(MEMORY_URL));
+    scheduler.run_once().await.unwrap();
+    let sent = scheduler.publisher().take();
+    let records = || sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect();
+    let mut handed_back = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !deliver(&worker, records()).await.is_empty() {
+        handed_back += 1;
+        assert!(
+            Instant::now() < deadline,
+            "still handed back after {handed_back} deliveries: the secret was not read again"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(handed_back >= 1, "the rotation went unnoticed: the old login still worked");
+    assert_eq!(common::job(&pool, second).await.state, JobState::Succeeded);
+    assert_eq!(user().await.unwrap(), new);
+
+    worker_pool.close().await;
+    for role in [&old, &new] {
+        run(format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'")).await.unwrap();
+        run(format!("DROP ROLE {role}")).await.unwrap();
+    }
+    secrets.delete_secret().secret_id(&arn).force_delete_without_recovery(true).send().await.expect("delete it");
+}
+
 /// The next step of a workflow, enqueued by a handler through its job's transaction: it exists
 /// once, from the attempt that succeeded, however many attempts failed after enqueuing it, and
 /// it is dispatched and run like any job.

@@ -48,7 +48,8 @@ pub async fn run(database_url: &str, args: DevArgs) -> anyhow::Result<()> {
 }
 
 /// `rowq work`: the consumers only, on the queues named by ROWQ_QUEUE_URL / ROWQ_DLQ_URL.
-pub async fn work(database_url: &str) -> anyhow::Result<()> {
+/// `from_secret`: the database secret `database_url` was read from, followed when it rotates.
+pub async fn work(database_url: &str, from_secret: Option<crate::config::DatabaseConfig>) -> anyhow::Result<()> {
     telemetry::init(config::log_format());
     let lookup = config::overlay(
         vec![("DATABASE_URL", database_url.to_string())],
@@ -59,6 +60,10 @@ pub async fn work(database_url: &str) -> anyhow::Result<()> {
     let event_source = EventSourceConfig::from(&env)?;
     let pool = super::commands::connect(database_url).await?;
     let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
+    if let Some(secret) = &from_secret {
+        let pools = [&pool, &worker_pool].map(|pool| (pool.clone(), store::Session::Server));
+        crate::secret::follow(secret, pools.to_vec());
+    }
     let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
     // No scheduler runs here; the scheduler settings are only carried along.
     let scheduler = SchedulerConfig::from(&env)?;

@@ -142,14 +142,16 @@ async fn run(mut cli: Cli) -> anyhow::Result<()> {
     if let Command::Work(WorkArgs { health_check: true }) = cli.command {
         return crate::entry::health_check().map_err(|error| anyhow::anyhow!(error));
     }
+    let mut from_secret = None;
     if cli.database_url.is_empty()
-        && let Some(url) = database_url_from_secret().await?
+        && let Some(database) = database_from_secret().await?
     {
-        cli.database_url = url;
+        cli.database_url = database.url.clone();
+        from_secret = Some(database);
     }
     match cli.command {
         Command::Dev(args) => dev::run(&cli.database_url, args).await,
-        Command::Work(_) => dev::work(&cli.database_url).await,
+        Command::Work(_) => dev::work(&cli.database_url, from_secret).await,
         Command::Demo(args) => demo::run(&cli.database_url, args).await,
         command => commands::run(&cli.database_url, cli.json, command).await,
     }
@@ -159,12 +161,12 @@ async fn run(mut cli: Cli) -> anyhow::Result<()> {
 /// `ROWQ_DATABASE_SECRET_ARN` names, read as the deployed binaries read it: an operator runs
 /// `rowq` against the production database with the secret's ARN and their own AWS credentials,
 /// and no password is copied into a shell or its history. `None` when no secret is named.
-async fn database_url_from_secret() -> anyhow::Result<Option<String>> {
+async fn database_from_secret() -> anyhow::Result<Option<crate::config::DatabaseConfig>> {
     let env = crate::config::Env::new(&crate::config::process_env);
     if env.optional("ROWQ_DATABASE_SECRET_ARN").is_none() {
         return Ok(None);
     }
     let mut database = crate::config::DatabaseConfig::from(&env, 1)?;
     crate::secret::resolve(&mut database).await?;
-    Ok(Some(database.url))
+    Ok(Some(database))
 }

@@ -117,7 +117,28 @@ pub async fn connect(config: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
 /// Not for pools that run user code: a handler's queries may need plans per parameter and
 /// sequential scans.
 pub async fn connect_scheduler(config: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
-    pool_options(config).connect_with(connect_options(config)?.options(SCHEDULER_SESSION)).await
+    pool_options(config).connect_with(session_options(&config.url, Session::Scheduler)?).await
+}
+
+/// The settings a pool's sessions run with: the server's ([`connect`], [`connect_lazy`]), or
+/// the scheduler's ([`connect_scheduler`], [`SCHEDULER_SESSION`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Session {
+    Server,
+    Scheduler,
+}
+
+/// The options with which a pool of `session` connects to `url`; what
+/// [`crate::secret::follow`] gives a pool when the database secret changes.
+pub fn session_options(url: &str, session: Session) -> Result<PgConnectOptions, sqlx::Error> {
+    let options = url
+        .parse::<PgConnectOptions>()?
+        .log_statements(log::LevelFilter::Debug)
+        .log_slow_statements(log::LevelFilter::Warn, Duration::from_secs(1));
+    Ok(match session {
+        Session::Server => options,
+        Session::Scheduler => options.options(SCHEDULER_SESSION),
+    })
 }
 
 /// The session settings of [`connect_scheduler`]'s connections (its listener's included: the
@@ -132,11 +153,7 @@ pub fn connect_lazy(config: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
 }
 
 fn connect_options(config: &DatabaseConfig) -> Result<PgConnectOptions, sqlx::Error> {
-    Ok(config
-        .url
-        .parse::<PgConnectOptions>()?
-        .log_statements(log::LevelFilter::Debug)
-        .log_slow_statements(log::LevelFilter::Warn, Duration::from_secs(1)))
+    session_options(&config.url, Session::Server)
 }
 
 /// A connection idle for longer than this is tested (one round trip) before it is handed out.
