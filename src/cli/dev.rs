@@ -61,8 +61,8 @@ pub async fn work(database_url: &str, from_secret: Option<crate::config::Databas
     let pool = super::commands::connect(database_url).await?;
     let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
     if let Some(secret) = &from_secret {
-        let pools = [&pool, &worker_pool].map(|pool| (pool.clone(), store::Session::Server));
-        crate::secret::follow(secret, pools.to_vec());
+        let session = store::Session::Server;
+        crate::secret::follow(secret, vec![(pool.clone(), session), (worker_pool.clone(), session)]);
     }
     let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
     // No scheduler runs here; the scheduler settings are only carried along.
