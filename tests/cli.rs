@@ -1131,6 +1131,7 @@ async fn a_wait_ends_with_the_job_and_its_exit_code_says_how_it_ended() {
 /// A wait outlasts an outage of the database (a failover, a restart): it says the database
 /// cannot be reached, reads again, and ends with the job's outcome. An outage that outlasts
 /// `--timeout` ends it as a timeout (124) with the job as last read, not as a failed job (1).
+/// One before the job was first read ends it at once.
 #[tokio::test]
 async fn a_wait_outlasts_an_outage_of_the_database_and_ends_with_the_jobs_outcome() {
     use sqlx::ConnectOptions;
@@ -1178,6 +1179,18 @@ async fn a_wait_outlasts_an_outage_of_the_database_and_ends_with_the_jobs_outcom
         last_line(&output),
         format!("rowq: job {id} is still pending after 2 s: it goes on; `rowq wait` again or `rowq status`")
     );
+
+    // Before the job is first read, nothing says it is there to wait for: a database that
+    // cannot be reached ends the wait at once, even one without a timeout.
+    outage.send_replace(true);
+    let nowhere = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(3))
+        .connect_lazy_with((*options).clone().port(proxy.port()));
+    let waited =
+        tokio::time::timeout(Duration::from_secs(20), rowq::store::admin::wait_finished(&nowhere, id, None, |_| {}))
+            .await;
+    assert!(matches!(waited, Ok(Err(ref error)) if rowq::store::unreachable(error)), "{waited:?}");
+    outage.send_replace(false);
 }
 
 /// A service, `scheduler` or `rowq work`, running until killed (also when the test fails)
@@ -1191,6 +1204,25 @@ struct Service {
 /// a service to bind, or a port nothing listens on.
 fn free_address() -> std::net::SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|listener| listener.local_addr()).expect("a free port")
+}
+
+/// A port of 127.0.0.1 on which nothing listens, for as long as this lives: bound, never
+/// listened on, so a connection to it is refused. A port [`free_address`] found free could be
+/// found free again by another test running beside this one and served (a health endpoint
+/// answering 200 where none was to be): this one is held.
+struct ClosedPort(socket2::Socket);
+
+impl ClosedPort {
+    fn new() -> Self {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("a socket");
+        let any_port: std::net::SocketAddr = "127.0.0.1:0".parse().expect("an address");
+        socket.bind(&any_port.into()).expect("a port of 127.0.0.1");
+        ClosedPort(socket)
+    }
+
+    fn address(&self) -> std::net::SocketAddr {
+        self.0.local_addr().ok().and_then(|address| address.as_socket()).expect("a bound address")
+    }
 }
 
 impl Service {
@@ -1319,7 +1351,8 @@ async fn the_scheduler_service_is_live_and_not_ready_while_sqs_is_unreachable() 
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
     let id = common::enqueue(&pool, "noop", json!({})).await;
     // A port nothing listens on: every SQS call is refused.
-    let closed = free_address();
+    let closed_port = ClosedPort::new();
+    let closed = closed_port.address();
     let unreachable = format!("http://{closed}");
 
     let service = Service::scheduler(&pool, &queues.queue_url, &[("AWS_ENDPOINT_URL", &unreachable)]);

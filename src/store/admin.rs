@@ -242,10 +242,10 @@ pub enum WaitProgress<'a> {
 /// Reads job `id` until it is finished or `timeout` has passed (`None`: no limit), telling
 /// `progress` what it sees. A read of its primary key each time; nothing is written, nothing
 /// is listened for. For a client that enqueued a job and needs its outcome: `rowq wait`,
-/// `rowq enqueue --wait`. A wait outlasts the database's outages: a read that cannot reach it
-/// is tried again (each [`WAIT_MAX_POLL`]) until the timeout, which then ends the wait with the
-/// row as last read (`Unfinished`), or with the error if none was ever read. Any other error
-/// ends it at once.
+/// `rowq enqueue --wait`. Once the job has been read, a wait outlasts the database's outages:
+/// a read that cannot reach it is tried again (each [`WAIT_MAX_POLL`]) until the timeout, which
+/// then ends the wait with the row as last read (`Unfinished`). Any other error, or one before
+/// the first read (a database that was never there, a wrong address), ends it at once.
 pub async fn wait_finished(
     pool: &PgPool,
     id: JobId,
@@ -260,7 +260,7 @@ pub async fn wait_finished(
         let row = match get(pool, id).await {
             Ok(Some(row)) => row,
             Ok(None) => return Ok(previous.map_or(Waited::Missing, Waited::Deleted)),
-            Err(error) if crate::store::unreachable(&error) => {
+            Err(error) if previous.is_some() && crate::store::unreachable(&error) => {
                 if !std::mem::replace(&mut unreachable, true) {
                     progress(WaitProgress::Unreachable(&error));
                 }
