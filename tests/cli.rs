@@ -1143,15 +1143,13 @@ async fn a_wait_outlasts_an_outage_of_the_database_and_ends_with_the_jobs_outcom
     let wait = |id: rowq::JobId, timeout: &str| {
         let mut rowq = command(env!("CARGO_BIN_EXE_rowq"), &pool);
         rowq.args(["--database-url", &url, "wait", &id.to_string(), "--timeout", timeout]);
-        let mut rowq = tokio::process::Command::from(rowq);
-        rowq.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
-        rowq.spawn().expect("start rowq wait")
+        Said::first_line_of(rowq)
     };
     let pending = || common::enqueue(&pool, "noop", json!({})); // no scheduler runs: it waits
 
     let id = pending().await;
-    let waiting = wait(id, "60");
-    tokio::time::sleep(Duration::from_secs(1)).await; // it has read the job, pending
+    let waiting = wait(id, "60").await; // it has read the job, pending
+    assert_eq!(waiting.stderr, format!("job {id} pending\n"));
     outage.send_replace(true);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now(), result = '{\"n\": 1}' WHERE id = $1")
@@ -1160,24 +1158,24 @@ async fn a_wait_outlasts_an_outage_of_the_database_and_ends_with_the_jobs_outcom
         .await
         .unwrap();
     outage.send_replace(false);
-    let output = waiting.wait_with_output().await.unwrap();
-    let progress = stderr(&output);
+    let (output, progress) = waiting.until_it_ends().await;
     assert_eq!(output.status.code(), Some(0), "{progress}");
     assert!(progress.contains(&format!("job {id}: the database cannot be reached (")), "{progress}");
     assert!(progress.contains(&format!("job {id}: the database answers again\njob {id} succeeded\n")), "{progress}");
     assert!(stdout(&output).starts_with(&format!("job {id}  succeeded")), "{}", stdout(&output));
 
     let id = pending().await;
-    let waiting = wait(id, "2");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let waiting = wait(id, "2").await;
     outage.send_replace(true);
-    let output = waiting.wait_with_output().await.unwrap();
+    let (output, progress) = waiting.until_it_ends().await;
     outage.send_replace(false);
-    assert_eq!(output.status.code(), Some(124), "{}", stderr(&output));
-    assert!(stderr(&output).contains("the database cannot be reached"), "{}", stderr(&output));
-    assert_eq!(
-        last_line(&output),
-        format!("rowq: job {id} is still pending after 2 s: it goes on; `rowq wait` again or `rowq status`")
+    assert_eq!(output.status.code(), Some(124), "{progress}");
+    assert!(progress.contains("the database cannot be reached"), "{progress}");
+    assert!(
+        progress.ends_with(&format!(
+            "rowq: job {id} is still pending after 2 s: it goes on; `rowq wait` again or `rowq status`\n"
+        )),
+        "{progress}"
     );
 
     // Before the job is first read, nothing says it is there to wait for: a database that
@@ -1191,6 +1189,37 @@ async fn a_wait_outlasts_an_outage_of_the_database_and_ends_with_the_jobs_outcom
             .await;
     assert!(matches!(waited, Ok(Err(ref error)) if rowq::store::unreachable(error)), "{waited:?}");
     outage.send_replace(false);
+}
+
+/// A command under way that has printed its first line on stderr: a `rowq wait` that has read
+/// its job. Its stdout stays piped; its stderr is read here.
+struct Said {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStderr>>,
+    stderr: String,
+}
+
+impl Said {
+    /// Starts `command` and returns once it has printed a line on stderr (30 s at most).
+    async fn first_line_of(command: Command) -> Self {
+        use tokio::io::AsyncBufReadExt;
+        let mut command = tokio::process::Command::from(command);
+        command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        let mut child = command.spawn().expect("start the command");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await;
+        let first = first.expect("a first line within 30 s").unwrap().expect("a first line, not the end");
+        Said { child, lines, stderr: format!("{first}\n") }
+    }
+
+    /// Its output once it has ended, and all it printed on stderr.
+    async fn until_it_ends(mut self) -> (Output, String) {
+        while let Some(line) = self.lines.next_line().await.unwrap() {
+            self.stderr += &format!("{line}\n");
+        }
+        (self.child.wait_with_output().await.unwrap(), self.stderr)
+    }
 }
 
 /// A service, `scheduler` or `rowq work`, running until killed (also when the test fails)
