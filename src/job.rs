@@ -193,7 +193,7 @@ impl JobError {
     /// [`MAX_RETRY_AFTER`]) if attempts are left, and fails it as [`JobError::retryable`] does
     /// if none are. The attempt is spent, as any failed one is.
     pub fn retry_after(message: impl fmt::Display, after: Duration) -> Self {
-        JobError::RetryAfter(message.to_string(), after.min(MAX_RETRY_AFTER))
+        JobError::RetryAfter(message.to_string(), after)
     }
 
     pub fn permanent(message: impl fmt::Display) -> Self {
@@ -204,7 +204,8 @@ impl JobError {
         matches!(self, JobError::Retryable(_) | JobError::RetryAfter(..))
     }
 
-    /// The wait the handler asked for, if it named one ([`JobError::retry_after`]).
+    /// The wait the handler asked for, if it named one ([`JobError::retry_after`]), cut to
+    /// [`MAX_RETRY_AFTER`] here, however the error was built: the one place the cap is kept.
     pub fn asked_delay(&self) -> Option<Duration> {
         match self {
             JobError::RetryAfter(_, after) => Some((*after).min(MAX_RETRY_AFTER)),

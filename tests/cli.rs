@@ -1034,24 +1034,14 @@ async fn json_beside(pool: &PgPool, args: &[&str]) -> Value {
 /// said to be deleted, not never to have existed.
 #[tokio::test]
 async fn a_wait_on_a_job_deleted_meanwhile_says_it_was_deleted() {
-    use tokio::io::AsyncBufReadExt;
     let pool = common::database().await;
     let id = common::enqueue(&pool, "noop", json!({})).await; // no scheduler runs here
-    let mut wait = tokio::process::Command::from(rowq_command(&pool, &["wait", &id.to_string()]))
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start rowq wait");
-    let mut stderr_lines = tokio::io::BufReader::new(wait.stderr.take().expect("piped stderr")).lines();
-    let first = stderr_lines.next_line().await.unwrap().expect("a first line of progress");
-    assert!(first.starts_with(&format!("job {id} pending")), "{first}");
+    let wait = Said::first_line_of(rowq_command(&pool, &["wait", &id.to_string()])).await;
+    assert!(wait.stderr.starts_with(&format!("job {id} pending")), "{}", wait.stderr);
     sqlx::query("DELETE FROM rowq.jobs WHERE id = $1").bind(id).execute(&pool).await.unwrap();
-    let mut rest = Vec::new();
-    while let Some(line) = stderr_lines.next_line().await.unwrap() {
-        rest.push(line);
-    }
-    let status = wait.wait().await.unwrap();
-    assert_eq!(status.code(), Some(1), "{rest:?}");
-    let said = rest.last().cloned().unwrap_or_default();
+    let (output, progress) = wait.until_it_ends().await;
+    assert_eq!(output.status.code(), Some(1), "{progress}");
+    let said = progress.trim().lines().last().unwrap_or_default();
     assert!(said.contains(&format!("job {id} was deleted while it was waited on")), "{said}");
 }
 

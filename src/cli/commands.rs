@@ -375,6 +375,9 @@ fn statements<'a, 'l>(lines: &'a [(usize, &'l str)]) -> impl Iterator<Item = &'a
     })
 }
 
+/// What `enqueue --lines` says first when it enqueued nothing: its lines go in one transaction.
+const NONE_ENQUEUED: &str = "cannot enqueue, so none was";
+
 /// `enqueue --lines`: one job like `job` per line of `source`, all in one transaction.
 async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: bool) -> anyhow::Result<()> {
     let name = if source == "-" { "standard input" } else { source };
@@ -405,7 +408,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
         }
     }
     match ids.first() {
-        Some(&first) => commit_enqueued(pool, transaction, xid, first, "cannot enqueue, so none was").await?,
+        Some(&first) => commit_enqueued(pool, transaction, xid, first, NONE_ENQUEUED).await?,
         None => drop(transaction), // nothing written
     }
     let text = match (ids.first(), ids.last()) {
@@ -431,9 +434,8 @@ async fn refused_line(
     name: &str,
     error: sqlx::Error,
 ) -> anyhow::Error {
-    const WHAT: &str = "cannot enqueue, so none was";
     if refusal_of_the_data(&error).is_none() {
-        return refused(error, WHAT);
+        return refused(error, NONE_ENQUEUED);
     }
     let first_refused = async {
         let mut transaction = pool.begin().await?;
@@ -450,10 +452,10 @@ async fn refused_line(
         Ok(None)
     };
     match first_refused.await {
-        Ok(Some((Some(index), refusal))) => refused(refusal, &format!("{WHAT}: line {} of {name}", index + 1)),
-        Ok(Some((None, refusal))) => refused(refusal, WHAT),
+        Ok(Some((Some(index), refusal))) => refused(refusal, &format!("{NONE_ENQUEUED}: line {} of {name}", index + 1)),
+        Ok(Some((None, refusal))) => refused(refusal, NONE_ENQUEUED),
         // Refused together and not one by one, or the search could not run: what was refused.
-        Ok(None) | Err(_) => refused(error, WHAT),
+        Ok(None) | Err(_) => refused(error, NONE_ENQUEUED),
     }
 }
 

@@ -89,7 +89,7 @@ pub async fn wake_schedulers<'e>(executor: impl PgExecutor<'e>, why: &str) -> Re
 /// Opens a pool. Statement logging is turned down: a per-query info line would drown the
 /// transition log lines and could leak values.
 pub async fn connect(config: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
-    pool_options(config).connect_with(connect_options(config)?).await
+    pool_options(config).connect_with(session_options(&config.url, Session::Server)?).await
 }
 
 /// Opens the scheduler's pool: [`connect`], with the session settings of [`SCHEDULER_SESSION`].
@@ -149,11 +149,7 @@ pub const SCHEDULER_SESSION: [(&str, &str); 3] =
 /// A pool that connects on first use: a Lambda cold start does not fail when the database is
 /// briefly unreachable; the batches fail instead and SQS redelivers them.
 pub fn connect_lazy(config: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
-    Ok(pool_options(config).connect_lazy_with(connect_options(config)?))
-}
-
-fn connect_options(config: &DatabaseConfig) -> Result<PgConnectOptions, sqlx::Error> {
-    session_options(&config.url, Session::Server)
+    Ok(pool_options(config).connect_lazy_with(session_options(&config.url, Session::Server)?))
 }
 
 /// A connection idle for longer than this is tested (one round trip) before it is handed out.
