@@ -35,7 +35,8 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
             "dead-lettered: its message (generation {}) was received {receives} times without being processed",
             message.dispatch_gen
         );
-        match run::dead_letter(pool, message.job_id, message.dispatch_gen, &reason).await {
+        let dead_letter = || run::dead_letter(pool, message.job_id, message.dispatch_gen, &reason);
+        match crate::secret::once_more_if_rotated(dead_letter).await {
             Ok(Some(dead)) => {
                 group_moved |= dead.group_key.is_some();
                 match by_kind.iter_mut().find(|counted| counted.kind == dead.kind) {

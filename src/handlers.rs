@@ -75,7 +75,7 @@ impl JobContext {
         async move {
             let mut guard = slot.lock_owned().await;
             if guard.is_none() {
-                *guard = Some(pool.begin().await?);
+                *guard = Some(crate::secret::once_more_if_rotated(|| pool.begin()).await?);
             }
             OwnedMutexGuard::try_map(guard, Option::as_mut)
                 .map_err(|_| JobError::retryable("the job transaction could not be opened"))

@@ -5,11 +5,14 @@
 //! The secret may hold a URL (`postgres://...`), a JSON object with a `url`, or the JSON that
 //! RDS writes for a managed secret (`username`, `password`, `host`, `port`, `dbname`).
 
+use std::future::Future;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use serde::Deserialize;
 use sqlx::PgPool;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
 
 use crate::config::DatabaseConfig;
 use crate::store::{self, Session};
@@ -49,13 +52,80 @@ static LOGIN_REFUSED: Notify = Notify::const_new();
 /// login, with a secret that does not change, costs a read every 10 s, not one per statement.
 pub const REREAD_AT_MOST_EVERY: Duration = Duration::from_secs(10);
 
-/// Tells [`follow`] that the database refused a login (SQLSTATE class 28: a password or a
-/// user that no longer works) if `error` says so. Every place that meets the database's errors
-/// in a long-lived process (the worker's statements, the scheduler's passes, maintenance and
-/// listener, the DLQ handler) passes them here; without a secret to follow, it does nothing.
+/// What [`follow`] has read so far, for [`renewed`] to wait on: set by the first `follow` of a
+/// process that has a secret to follow.
+static READS: OnceLock<watch::Sender<Reads>> = OnceLock::new();
+
+#[derive(Clone, Copy, Default)]
+struct Reads {
+    /// How many times the secret was read again.
+    count: u64,
+    /// Whether the last of those reads gave the pools a new URL.
+    last_changed: bool,
+    /// When a read last gave the pools a new URL.
+    changed_at: Option<Instant>,
+}
+
+/// How long [`renewed`] waits for the secret to be read again. A read takes tens of
+/// milliseconds; a follower that read it less than [`REREAD_AT_MOST_EVERY`] ago reads again
+/// only then, and the statement is better handed back than held that long.
+pub const RENEWAL_WAIT: Duration = Duration::from_secs(5);
+
+/// Whether `error` is a login the database refused (SQLSTATE class 28: a password or a user
+/// that no longer works). It comes only from opening a connection: no statement ran.
+fn login_refused(error: &sqlx::Error) -> bool {
+    error.as_database_error().and_then(|db| db.code()).is_some_and(|code| code.starts_with("28"))
+}
+
+/// Tells [`follow`] that the database refused a login if `error` says so. Every place that
+/// meets the database's errors in a long-lived process (the worker's statements, the
+/// scheduler's passes, maintenance and listener, the DLQ handler) passes them here; without a
+/// secret to follow, it does nothing.
 pub fn note(error: &sqlx::Error) {
-    if error.as_database_error().and_then(|db| db.code()).is_some_and(|code| code.starts_with("28")) {
+    if login_refused(error) {
         LOGIN_REFUSED.notify_one();
+    }
+}
+
+/// Whether `error` is a refused login after which the pools were given a new URL: [`follow`]
+/// changed it less than [`REREAD_AT_MOST_EVERY`] ago, or it reads the secret again now (within
+/// [`RENEWAL_WAIT`]) and finds another URL there. Without a secret to follow, false.
+pub async fn renewed(error: &sqlx::Error) -> bool {
+    if !login_refused(error) {
+        return false;
+    }
+    LOGIN_REFUSED.notify_one();
+    let Some(reads) = READS.get() else {
+        return false;
+    };
+    let mut reads = reads.subscribe();
+    let before = *reads.borrow_and_update();
+    if before.changed_at.is_some_and(|at| at.elapsed() < REREAD_AT_MOST_EVERY) {
+        return true;
+    }
+    match tokio::time::timeout(RENEWAL_WAIT, reads.wait_for(|read| read.count > before.count)).await {
+        Ok(Ok(read)) => read.last_changed,
+        Ok(Err(_)) | Err(_) => false,
+    }
+}
+
+/// Runs `statement`, and once more if the database refused its login and the secret, read
+/// again, holds a new URL ([`renewed`]): the statement never ran, so it is safe to run again.
+///
+/// A refused login used to fail what needed a new connection until the next try: a Lambda
+/// worker handed its batch back, and SQS redelivered it only when its visibility timeout ended
+/// (minutes), holding the batch's FIFO groups meanwhile; a handler's transaction failed its
+/// attempt. Used where the batch or attempt would otherwise fail: the worker's fences and
+/// finishes, the job's own transaction, the DLQ handler's statements. A scheduler's pass is
+/// simply tried again.
+pub async fn once_more_if_rotated<T, F, Fut>(mut statement: F) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, sqlx::Error>>,
+{
+    match statement().await {
+        Err(error) if renewed(&error).await => statement().await,
+        done => done,
     }
 }
 
@@ -75,10 +145,12 @@ pub fn follow(database: &DatabaseConfig, pools: Vec<(PgPool, Session)>) {
         return;
     };
     let mut current = database.url.clone();
+    let reads = READS.get_or_init(|| watch::Sender::new(Reads::default())).clone();
     tokio::spawn(async move {
         loop {
             LOGIN_REFUSED.notified().await;
-            let read_at = tokio::time::Instant::now();
+            let read_at = Instant::now();
+            let mut changed = false;
             match read(&arn).await {
                 Ok(url) if url == current => tracing::warn!(
                     secret = %arn,
@@ -92,6 +164,7 @@ pub fn follow(database: &DatabaseConfig, pools: Vec<(PgPool, Session)>) {
                         Ok(()) => {
                             tracing::info!(secret = %arn, "the database secret has changed: new connections use it");
                             current = url;
+                            changed = true;
                         }
                         Err(error) => {
                             tracing::error!(secret = %arn, error = %error, "the database secret's new URL is not one")
@@ -102,6 +175,13 @@ pub fn follow(database: &DatabaseConfig, pools: Vec<(PgPool, Session)>) {
                     tracing::warn!(error = %error, "the database refused a login, and its secret cannot be read again")
                 }
             }
+            reads.send_modify(|reads| {
+                reads.count += 1;
+                reads.last_changed = changed;
+                if changed {
+                    reads.changed_at = Some(Instant::now());
+                }
+            });
             tokio::time::sleep_until(read_at + REREAD_AT_MOST_EVERY).await;
         }
     });

@@ -129,7 +129,7 @@ impl Worker {
             Combiner::spawn(Step::key, Done::key, move |steps| {
                 let kept = kept.clone();
                 async move {
-                    let mut connection = kept.take().await?;
+                    let mut connection = crate::secret::once_more_if_rotated(|| kept.take()).await?;
                     let done = run::step(&mut connection, steps).await?;
                     kept.keep(connection);
                     Ok(done)
