@@ -816,6 +816,17 @@ async fn enqueue_lines_enqueues_a_job_per_line_in_order_or_none_naming_the_bad_l
     assert!(message.contains("cannot enqueue, so none was: the database refused it: "), "{message}");
     assert!(message.contains("jobs_group_key_is_1_to_128_printable_ascii") && !message.contains("line"), "{message}");
     assert_eq!(count().await.unwrap(), 3, "a refused line enqueued some of the others");
+    // A regular file is read twice (checked, then enqueued); a pipe, once.
+    std::fs::write(&file, "{\"n\":4}\n\n{\"n\":5}\n").unwrap();
+    assert_eq!(json_of(&pool, &["enqueue", "resize", "--lines", &path])["enqueued"], json!(2));
+    let output = rowq_reading(&pool, &["enqueue", "resize", "--lines", "/dev/stdin", "--json"], "{\"n\":6}\n");
+    assert_eq!(parsed(&["enqueue", "--lines", "/dev/stdin"], &output)["enqueued"], json!(1), "{}", stderr(&output));
+    let payloads: Vec<Value> = sqlx::query_scalar("SELECT payload FROM rowq.jobs WHERE id > $1 ORDER BY id")
+        .bind(ids[2])
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(payloads, [json!({"n": 4}), json!({"n": 5}), json!({"n": 6})]);
 
     std::fs::write(&file, "{\"from\":\"a file\"}").unwrap();
     let one = json_of(&pool, &["enqueue", "resize", &format!("@{path}")]);

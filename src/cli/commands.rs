@@ -351,28 +351,72 @@ const LINES_PER_STATEMENT: usize = 1000;
 /// payloads at a few tens of MB and still shares a round trip among 1,000 lines of 8 kB.
 const BYTES_PER_STATEMENT: usize = 8 << 20;
 
+/// Numbered payload lines (`(index, text)`, blank lines left out), as [`LineSource::lines`]
+/// reads them.
+type Lines<'a> = Box<dyn Iterator<Item = anyhow::Result<(usize, String)>> + 'a>;
+
 /// `lines` cut into statements of at most [`LINES_PER_STATEMENT`] lines and, unless one line is
-/// larger alone, [`BYTES_PER_STATEMENT`] of text.
-fn statements<'a, 'l>(lines: &'a [(usize, &'l str)]) -> impl Iterator<Item = &'a [(usize, &'l str)]> {
-    let mut rest = lines;
+/// larger alone, [`BYTES_PER_STATEMENT`] of text. A line that cannot be read ends it, with why.
+fn statements(lines: Lines<'_>) -> impl Iterator<Item = anyhow::Result<Vec<(usize, String)>>> + '_ {
+    let mut lines = lines.peekable();
     std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
+        let (mut statement, mut bytes) = (Vec::new(), 0);
+        while statement.len() < LINES_PER_STATEMENT {
+            if let Some(Ok((_, line))) = lines.peek()
+                && !statement.is_empty()
+                && bytes + line.len() > BYTES_PER_STATEMENT
+            {
+                break;
+            }
+            match lines.next() {
+                Some(Ok(line)) => {
+                    bytes += line.1.len();
+                    statement.push(line);
+                }
+                Some(Err(error)) => return Some(Err(error)),
+                None => break,
+            }
         }
-        let mut bytes = 0;
-        let taken = rest
-            .iter()
-            .take(LINES_PER_STATEMENT)
-            .take_while(|(_, line)| {
-                bytes += line.len();
-                bytes <= BYTES_PER_STATEMENT
-            })
-            .count()
-            .max(1);
-        let (statement, after) = rest.split_at(taken);
-        rest = after;
-        Some(statement)
+        (!statement.is_empty()).then_some(Ok(statement))
     })
+}
+
+/// Where `enqueue --lines` reads its lines. A regular file is read twice, its lines checked and
+/// then enqueued a statement at a time, and never held whole: a backfill of 5 GB of payloads
+/// needs one statement's worth of memory, not 5 GB. Anything else (standard input, a pipe such
+/// as `<(zcat jobs.gz)`, which can be read only once) is read whole before the transaction
+/// begins: a slow producer then holds no transaction open (which would hold back the cleanup of
+/// old row versions).
+enum LineSource {
+    File(std::path::PathBuf),
+    Text(String),
+}
+
+impl LineSource {
+    fn open(source: &str) -> anyhow::Result<Self> {
+        let regular = source != "-" && std::fs::metadata(source).is_ok_and(|meta| meta.is_file());
+        if !regular {
+            return Ok(LineSource::Text(read_input(source)?));
+        }
+        std::fs::File::open(source).with_context(|| format!("cannot read {source}"))?;
+        Ok(LineSource::File(source.into()))
+    }
+
+    /// The payload lines, from the start; `name` names the source in errors.
+    fn lines<'a>(&'a self, name: &'a str) -> anyhow::Result<Lines<'a>> {
+        use std::io::BufRead;
+        let reader: Box<dyn BufRead + 'a> = match self {
+            LineSource::File(path) => Box::new(std::io::BufReader::new(
+                std::fs::File::open(path).with_context(|| format!("cannot read {name}"))?,
+            )),
+            LineSource::Text(text) => Box::new(text.as_bytes()),
+        };
+        Ok(Box::new(reader.lines().enumerate().filter_map(move |(index, line)| match line {
+            Ok(line) if line.trim().is_empty() => None,
+            Ok(line) => Some(Ok((index, line))),
+            Err(error) => Some(Err(anyhow!(error).context(format!("cannot read line {} of {name}", index + 1)))),
+        })))
+    }
 }
 
 /// What `enqueue --lines` says first when it enqueued nothing: its lines go in one transaction.
@@ -381,31 +425,43 @@ const NONE_ENQUEUED: &str = "cannot enqueue, so none was";
 /// `enqueue --lines`: one job like `job` per line of `source`, all in one transaction.
 async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: bool) -> anyhow::Result<()> {
     let name = if source == "-" { "standard input" } else { source };
-    // All of the input is read, and every line checked, before the transaction begins: a slow
-    // producer on a pipe then holds no transaction open (which would hold back the cleanup of
-    // old row versions), and a bad line is found before anything is written. The lines stay
-    // text until their statement (a parsed payload takes several times its text's memory).
-    let text = read_input(source)?;
-    let lines: Vec<(usize, &str)> = text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()).collect();
-    for &(index, line) in &lines {
+    // Every line is checked before the transaction begins: a bad line is found before anything
+    // is written. The lines stay text until their statement (a parsed payload takes several
+    // times its text's memory).
+    let input = LineSource::open(source)?;
+    let mut checked = 0;
+    for line in input.lines(name)? {
+        let (index, line) = line?;
         let what = format!("line {} of {name}", index + 1);
         // The database refuses a payload that is no object too, but would not say which line.
-        if !parse_payload(line, &what)?.is_object() {
-            bail!("{what} is not a JSON object (a payload must be one): {:?}", clip(line));
+        if !parse_payload(&line, &what)?.is_object() {
+            bail!("{what} is not a JSON object (a payload must be one): {:?}", clip(&line));
         }
+        checked += 1;
     }
     let mut transaction = pool.begin().await.context("cannot enqueue")?;
     let xid = admin::transaction_id(&mut transaction).await.context("cannot enqueue")?;
-    let mut ids = Vec::with_capacity(lines.len());
-    for chunk in statements(&lines) {
-        let payloads = chunk.iter().map(|(_, line)| parse_payload(line, name)).collect::<anyhow::Result<Vec<_>>>()?;
+    let mut ids = Vec::with_capacity(checked);
+    for statement in statements(input.lines(name)?) {
+        let statement = statement.with_context(|| NONE_ENQUEUED.to_string())?;
+        let payloads = statement
+            .iter()
+            .map(|(index, line)| parse_payload(line, &format!("line {} of {name}", index + 1)))
+            .collect::<anyhow::Result<Vec<_>>>()
+            .with_context(|| format!("{NONE_ENQUEUED}: {name} changed while it was read"))?;
         match admin::enqueue_many(&mut *transaction, job, &payloads).await {
             Ok(done) => ids.extend(done),
             Err(error) => {
                 drop(transaction); // rolled back: nothing of the input is enqueued
-                return Err(refused_line(pool, job, chunk, name, error).await);
+                return Err(refused_line(pool, job, &statement, name, error).await);
             }
         }
+    }
+    if ids.len() != checked {
+        bail!(
+            "{NONE_ENQUEUED}: {name} changed while it was read ({checked} payload lines checked, then {} read)",
+            ids.len()
+        );
     }
     match ids.first() {
         Some(&first) => commit_enqueued(pool, transaction, xid, first, NONE_ENQUEUED).await?,
@@ -430,7 +486,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
 async fn refused_line(
     pool: &PgPool,
     job: &admin::NewJob,
-    chunk: &[(usize, &str)],
+    chunk: &[(usize, String)],
     name: &str,
     error: sqlx::Error,
 ) -> anyhow::Error {
@@ -443,10 +499,10 @@ async fn refused_line(
         if let Err(options) = admin::enqueue_many(&mut *transaction, job, &[options_alone]).await {
             return Ok::<_, sqlx::Error>(Some((None, options)));
         }
-        for &(index, line) in chunk {
+        for (index, line) in chunk {
             let Ok(payload) = serde_json::from_str::<serde_json::Value>(line) else { continue };
             if let Err(refusal) = admin::enqueue_many(&mut *transaction, job, &[payload]).await {
-                return Ok(Some((Some(index), refusal)));
+                return Ok(Some((Some(*index), refusal)));
             }
         }
         Ok(None)
@@ -1012,8 +1068,13 @@ fn print_table(rows: &[admin::JobRow]) {
 mod tests {
     use super::*;
 
+    fn cut(lines: &[(usize, &str)]) -> Vec<Vec<(usize, String)>> {
+        let lines = lines.iter().map(|(n, line)| Ok((*n, line.to_string()))).collect::<Vec<_>>();
+        statements(Box::new(lines.into_iter())).collect::<anyhow::Result<_>>().unwrap()
+    }
+
     fn sizes_of(lines: &[(usize, &str)]) -> Vec<(usize, usize)> {
-        statements(lines).map(|statement| (statement.len(), statement.iter().map(|(_, l)| l.len()).sum())).collect()
+        cut(lines).iter().map(|statement| (statement.len(), statement.iter().map(|(_, l)| l.len()).sum())).collect()
     }
 
     #[test]
@@ -1022,14 +1083,28 @@ mod tests {
         assert_eq!(sizes_of(&small), [(1000, 2000), (1000, 2000), (500, 1000)]);
         let mib = format!("{{\"pad\":\"{}\"}}", "x".repeat((1 << 20) - 10));
         let large: Vec<(usize, &str)> = (0..20).map(|n| (n, mib.as_str())).collect();
-        let cut = sizes_of(&large);
-        assert_eq!(cut.iter().map(|(lines, _)| lines).collect::<Vec<_>>(), [&8, &8, &4], "{cut:?}");
-        assert!(cut.iter().all(|(_, bytes)| *bytes <= BYTES_PER_STATEMENT), "{cut:?}");
+        let sizes = sizes_of(&large);
+        assert_eq!(sizes.iter().map(|(lines, _)| lines).collect::<Vec<_>>(), [&8, &8, &4], "{sizes:?}");
+        assert!(sizes.iter().all(|(_, bytes)| *bytes <= BYTES_PER_STATEMENT), "{sizes:?}");
         let huge = "x".repeat(BYTES_PER_STATEMENT + 1);
         let alone = [(0, "{}"), (1, huge.as_str()), (2, "{}")];
         assert_eq!(sizes_of(&alone), [(1, 2), (1, huge.len()), (1, 2)], "a line over the limit goes alone");
-        let in_order: Vec<usize> = statements(&small).flatten().map(|(n, _)| *n).collect();
+        let in_order: Vec<usize> = cut(&small).into_iter().flatten().map(|(n, _)| n).collect();
         assert_eq!(in_order, (0..2500).collect::<Vec<_>>());
-        assert_eq!(statements(&[]).count(), 0);
+        assert!(cut(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_line_that_cannot_be_read_ends_the_statements_naming_it() {
+        let text = LineSource::Text("{}\n\n  \n{\"n\":4}\n".to_string());
+        let lines: Vec<(usize, String)> = text.lines("t").unwrap().collect::<anyhow::Result<_>>().unwrap();
+        assert_eq!(lines, [(0, "{}".to_string()), (3, "{\"n\":4}".to_string())], "blank lines are left out, counted");
+        let file = std::env::temp_dir().join(format!("rowq-unreadable-{}.jsonl", std::process::id()));
+        std::fs::write(&file, b"{}\n{\"a\":\"\xff\"}\n{}\n").unwrap();
+        let source = LineSource::open(&file.to_string_lossy()).unwrap();
+        let mut statements = statements(source.lines("f").unwrap());
+        let error = statements.next().unwrap().unwrap_err();
+        assert!(format!("{error:#}").starts_with("cannot read line 2 of f: "), "{error:#}");
+        std::fs::remove_file(&file).unwrap();
     }
 }
