@@ -94,15 +94,15 @@ pub async fn renewed(error: &sqlx::Error) -> bool {
     if !login_refused(error) {
         return false;
     }
-    LOGIN_REFUSED.notify_one();
     let Some(reads) = READS.get() else {
         return false;
     };
     let mut reads = reads.subscribe();
     let before = *reads.borrow_and_update();
     if before.changed_at.is_some_and(|at| at.elapsed() < REREAD_AT_MOST_EVERY) {
-        return true;
+        return true; // this login may have been tried before the change: try the new URL first
     }
+    LOGIN_REFUSED.notify_one();
     match tokio::time::timeout(RENEWAL_WAIT, reads.wait_for(|read| read.count > before.count)).await {
         Ok(Ok(read)) => read.last_changed,
         Ok(Err(_)) | Err(_) => false,

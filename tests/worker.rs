@@ -272,6 +272,16 @@ async fn a_handler_that_names_its_retrys_wait_gets_it_instead_of_the_backoff() {
     assert!(row.last_error.as_deref().unwrap().contains("no attempts left"), "{:?}", row.last_error);
 }
 
+/// Closes every connection of a worker's `pool`, as a pool retires them (idle, or too old): its
+/// next statement opens a new one.
+async fn retire_connections(pool: &PgPool) {
+    tokio::time::sleep(rowq::store::kept::KEEP_FOR * 4).await; // the kept connection goes back to the pool
+    while pool.num_idle() > 0 {
+        pool.acquire().await.unwrap().close().await.unwrap();
+    }
+    assert_eq!(pool.size(), 0, "every connection of the worker is closed");
+}
+
 /// A worker whose database secret is rotated (RDS rotates a managed password every 7 days)
 /// reads it again when the database refuses a login, and opens its next connections with it:
 /// the batch that met the refusal runs then, not handed back to wait for its visibility
@@ -309,11 +319,7 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     // its next statement needs a new one.
     secrets.put_secret_value().secret_id(&arn).secret_string(url_as(&new)).send().await.expect("rotate");
     run(format!("ALTER ROLE {old} NOLOGIN")).await.unwrap();
-    tokio::time::sleep(rowq::store::kept::KEEP_FOR * 4).await; // the kept connection goes back to the pool
-    while worker_pool.num_idle() > 0 {
-        worker_pool.acquire().await.unwrap().close().await.unwrap();
-    }
-    assert_eq!(worker_pool.size(), 0, "every connection of the worker is closed");
+    retire_connections(&worker_pool).await;
     let second = common::enqueue(&pool, "echo", json!({"n": 2})).await;
     let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), common::scheduler_config(MEMORY_URL));
     scheduler.run_once().await.unwrap();
@@ -323,6 +329,19 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     assert!(handed_back.is_empty(), "the batch that met the refused login was handed back: {handed_back:?}");
     assert_eq!(common::job(&pool, second).await.state, JobState::Succeeded);
     assert_eq!(user().await.unwrap(), new);
+
+    // A login refused with what the secret holds is tried once more, not again and again: the
+    // batch is handed back at once.
+    run(format!("ALTER ROLE {new} NOLOGIN")).await.unwrap();
+    retire_connections(&worker_pool).await;
+    let third = common::enqueue(&pool, "echo", json!({"n": 3})).await;
+    scheduler.run_once().await.unwrap();
+    let sent = scheduler.publisher().take();
+    let records = sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect();
+    let delivered = Instant::now();
+    assert_eq!(deliver(&worker, records).await.len(), 1, "refused with the secret's own URL: handed back");
+    assert!(delivered.elapsed() < rowq::secret::RENEWAL_WAIT, "held for {:?}", delivered.elapsed());
+    assert_eq!(common::job(&pool, third).await.state, JobState::Dispatched);
 
     worker_pool.close().await;
     for role in [&old, &new] {
