@@ -1230,16 +1230,10 @@ struct Service {
     address: std::net::SocketAddr,
 }
 
-/// An address of 127.0.0.1 with a port the system has just handed out and taken back: free for
-/// a service to bind, or a port nothing listens on.
-fn free_address() -> std::net::SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|listener| listener.local_addr()).expect("a free port")
-}
-
 /// A port of 127.0.0.1 on which nothing listens, for as long as this lives: bound, never
-/// listened on, so a connection to it is refused. A port [`free_address`] found free could be
-/// found free again by another test running beside this one and served (a health endpoint
-/// answering 200 where none was to be): this one is held.
+/// listened on, so a connection to it is refused. A port found free and let go could be found
+/// free again by another test running beside this one and served (a health endpoint answering
+/// 200 where none was to be): this one is held.
 struct ClosedPort(socket2::Socket);
 
 impl ClosedPort {
@@ -1263,14 +1257,32 @@ impl Service {
         Service::start(scheduler)
     }
 
+    /// Starts `service` with its health endpoint on a port the system picks when it binds, and
+    /// learns the port from the line the service logs then. (A port found free beforehand could
+    /// be taken, between the finding and the binding, by another test running beside this one.)
     fn start(mut service: Command) -> Self {
-        let address = free_address();
-        let child = service
-            .env("ROWQ_HEALTH_LISTEN", address.to_string())
+        let mut child = service
+            .env("ROWQ_HEALTH_LISTEN", "127.0.0.1:0")
+            .env("ROWQ_LOG_FORMAT", "text") // the line read below, whatever the environment says
+            .env("RUST_LOG", "info")
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("start the service");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (told, address) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            // Reads to the end, so that the service never blocks on a full pipe.
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("health endpoint listening")
+                    && let Some(address) = line.split("address=").nth(1).and_then(|rest| rest.split_whitespace().next())
+                {
+                    let _ = told.send(address.parse::<std::net::SocketAddr>().expect("the address it listens on"));
+                }
+            }
+        });
+        let address = address.recv_timeout(Duration::from_secs(30)).expect("the service says where it listens");
         Service { child, address }
     }
 
