@@ -60,8 +60,6 @@ static READS: OnceLock<watch::Sender<Reads>> = OnceLock::new();
 struct Reads {
     /// How many times the secret was read again.
     count: u64,
-    /// Whether the last of those reads gave the pools a new URL.
-    last_changed: bool,
     /// When a read last gave the pools a new URL.
     changed_at: Option<Instant>,
 }
@@ -104,7 +102,7 @@ pub async fn renewed(error: &sqlx::Error) -> bool {
     }
     LOGIN_REFUSED.notify_one();
     match tokio::time::timeout(RENEWAL_WAIT, reads.wait_for(|read| read.count > before.count)).await {
-        Ok(Ok(read)) => read.last_changed,
+        Ok(Ok(read)) => read.changed_at != before.changed_at,
         Ok(Err(_)) | Err(_) => false,
     }
 }
@@ -177,7 +175,6 @@ pub fn follow(database: &DatabaseConfig, pools: Vec<(PgPool, Session)>) {
             }
             reads.send_modify(|reads| {
                 reads.count += 1;
-                reads.last_changed = changed;
                 if changed {
                     reads.changed_at = Some(Instant::now());
                 }
