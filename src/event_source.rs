@@ -16,7 +16,7 @@
 use std::collections::HashSet;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
@@ -30,6 +30,29 @@ use crate::sqs::{self, MAX_BATCH, SqsError};
 
 /// Pause after a failed receive, so an unreachable endpoint is not hammered.
 const RECEIVE_RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// A poller's pause before its next receive after a batch whose every record was handed back
+/// (the database unreachable, or refusing every connection): this long after the first such
+/// batch, twice as long after each next one in a row, at most [`HANDED_BACK_PAUSE_MOST`]; none
+/// once a batch gets through.
+///
+/// Without it, a poller whose worker failed at once (a refused login, no connection slot left)
+/// received batch after batch and handed each back: within seconds the whole queue was in
+/// flight, each message hidden for its visibility timeout (6 × the function timeout: minutes)
+/// and a receive nearer the dead-letter queue, so that when the database came back the jobs
+/// waited for their messages. Paused, a poller holds one batch per pause, and the rest stay
+/// visible for the moment the database answers. (A database that does not answer at all is
+/// paced already: each batch waits for the pool's 10 s before it fails.) Lambda's event source
+/// mapping has no such pause; there the scheduler's lease and rescue cover a long outage.
+pub const HANDED_BACK_PAUSE_FIRST: Duration = Duration::from_secs(1);
+/// The longest pause after batches handed back whole ([`HANDED_BACK_PAUSE_FIRST`]).
+pub const HANDED_BACK_PAUSE_MOST: Duration = Duration::from_secs(20);
+
+/// The pause before a poller's next receive after `in_a_row` batches handed back whole.
+fn handed_back_pause(in_a_row: u32) -> Duration {
+    let doublings = in_a_row.saturating_sub(1).min(16);
+    (HANDED_BACK_PAUSE_FIRST * 2u32.pow(doublings)).min(HANDED_BACK_PAUSE_MOST)
+}
 /// Time past a batch's deadline for its outcomes to be recorded and its messages deleted,
 /// before a poller that has not come back counts as stuck.
 const HEALTH_SLACK: Duration = Duration::from_secs(30);
@@ -120,7 +143,27 @@ impl EventSource {
             let mut shutdown = shutdown.clone();
             tasks.spawn(async move {
                 let mut batches = PollerBatches::default();
+                // Batches handed back whole in a row, as their deliveries end (the last one may
+                // end after the next receive); and how many of them the poller has paused for.
+                let handed_back = Arc::new(AtomicU32::new(0));
+                let mut paused_for = 0;
                 while !*shutdown.borrow() {
+                    let in_a_row = handed_back.load(Ordering::Relaxed);
+                    if in_a_row != paused_for {
+                        paused_for = in_a_row;
+                        if in_a_row > 0 {
+                            let pause = handed_back_pause(in_a_row);
+                            tracing::warn!(
+                                batches = in_a_row,
+                                pause_ms = pause.as_millis() as u64,
+                                "every record of the last batch was handed back; pausing before the next receive"
+                            );
+                            tokio::select! {
+                                _ = shutdown.changed() => break,
+                                _ = tokio::time::sleep(pause) => {}
+                            }
+                        }
+                    }
                     tokio::select! {
                         _ = shutdown.changed() => break,
                         messages = source.receive(poller) => match messages {
@@ -128,8 +171,15 @@ impl EventSource {
                             Ok(messages) => {
                                 let (returned, handlers_returned) = oneshot::channel();
                                 let delivery = tokio::spawn({
-                                    let (source, handler) = (source.clone(), handler.clone());
-                                    async move { source.deliver(messages, &handler, poller, returned).await }
+                                    let (source, handler, handed_back) =
+                                        (source.clone(), handler.clone(), handed_back.clone());
+                                    async move {
+                                        if source.deliver(messages, &handler, poller, returned).await {
+                                            handed_back.fetch_add(1, Ordering::Relaxed);
+                                        } else {
+                                            handed_back.store(0, Ordering::Relaxed);
+                                        }
+                                    }
                                 });
                                 batches.hand_over(delivery, handlers_returned).await;
                             }
@@ -179,13 +229,21 @@ impl EventSource {
         received
     }
 
-    async fn deliver<H, F>(&self, messages: Vec<Message>, handler: &H, poller: usize, returned: HandlersReturned)
+    /// Hands `messages` to `handler` and deletes those it did not hand back. Returns whether it
+    /// handed every one of them back.
+    async fn deliver<H, F>(
+        &self,
+        messages: Vec<Message>,
+        handler: &H,
+        poller: usize,
+        returned: HandlersReturned,
+    ) -> bool
     where
         H: Fn(SqsEvent, Instant, usize, HandlersReturned) -> F,
         F: Future<Output = SqsBatchResponse>,
     {
         if messages.is_empty() {
-            return;
+            return false;
         }
         let mut event = SqsEvent::default();
         event.records = messages.iter().map(|m| self.record(m)).collect();
@@ -206,7 +264,9 @@ impl EventSource {
                 messages.len()
             )
         });
+        let whole = done.is_empty();
         self.health.record_by(poller, "batch", handed_back);
+        whole
     }
 
     /// The record as the Lambda service builds it.
@@ -295,5 +355,17 @@ impl PollerBatches {
 async fn joined(delivery: tokio::task::JoinHandle<()>) {
     if let Err(error) = delivery.await {
         tracing::error!(error = %error, "a batch's delivery stopped abnormally");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pause_after_batches_handed_back_whole_doubles_up_to_its_most() {
+        let pauses: Vec<u64> = (1..=7).map(|n| handed_back_pause(n).as_secs()).collect();
+        assert_eq!(pauses, [1, 2, 4, 8, 16, 20, 20]);
+        assert_eq!(handed_back_pause(u32::MAX), HANDED_BACK_PAUSE_MOST);
     }
 }

@@ -218,6 +218,62 @@ async fn the_event_source_tells_the_handler_which_poller_delivered_each_batch() 
     assert_eq!(*seen.lock().unwrap(), [0, 1].into(), "the pollers the handler was told of");
 }
 
+/// A poller whose whole batch is handed back (a worker whose database refuses every connection
+/// at once) pauses before its next receive, longer after each such batch in a row, so that the
+/// rest of the queue stays visible; once a batch gets through, it polls at full speed again.
+#[tokio::test]
+async fn a_poller_whose_whole_batch_is_handed_back_pauses_before_receiving_again() {
+    let client = common::sqs().await;
+    let queues = common::queues(&client, 5, Duration::from_secs(60)).await;
+    let messages: Vec<(rowq::JobId, i64)> = (1..=60).map(|n| (rowq::JobId(n), 1)).collect();
+    assert_eq!(common::send_job_messages(&client, &queues.queue_url, &messages, "pause").await.unwrap(), 60);
+    let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let handler = {
+        let refusing = refusing.clone();
+        move |event: SqsEvent, _deadline: Instant, _poller: usize, _returned: HandlersReturned| {
+            let refusing = refusing.load(std::sync::atomic::Ordering::Relaxed);
+            async move {
+                let mut response = SqsBatchResponse::default();
+                if refusing {
+                    response.batch_item_failures = event
+                        .records
+                        .iter()
+                        .map(|record| {
+                            let mut failure = aws_lambda_events::event::sqs::BatchItemFailure::default();
+                            failure.item_identifier = record.message_id.clone().unwrap_or_default();
+                            failure
+                        })
+                        .collect();
+                }
+                response
+            }
+        }
+    };
+    let source = Arc::new(
+        EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(source.clone().run(1, handler, shutdown));
+    // Handed back at once, batch after batch: at 0 s, then after 1 s, then after 2 s more.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let batches = source.totals().batches.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(batches, 2, "batches handed back whole in 2.5 s (six, the whole queue, without the pause)");
+
+    refusing.store(false, std::sync::atomic::Ordering::Relaxed);
+    let recovered = Instant::now();
+    common::eventually(Duration::from_secs(15), "the 40 messages still visible handled", || {
+        let records = source.totals().records.load(std::sync::atomic::Ordering::Relaxed);
+        async move { (records >= 60).then_some(()) }
+    })
+    .await;
+    // At most the pause then running (2 s), and the 40 at full speed.
+    assert!(recovered.elapsed() < Duration::from_secs(8), "took {:?}", recovered.elapsed());
+    stop.send(true).unwrap();
+    running.await.unwrap();
+}
+
 #[tokio::test]
 async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_their_jobs() {
     let pool = common::database().await;
