@@ -468,6 +468,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
         None => drop(transaction), // nothing written
     }
     let text = match (ids.first(), ids.last()) {
+        (Some(first), Some(last)) if first == last => format!("enqueued 1 job (id {first})"),
         (Some(first), Some(last)) => format!("enqueued {} jobs (ids {first} to {last})", ids.len()),
         _ => format!("enqueued 0 jobs: {name} has no payload lines"),
     };
