@@ -53,6 +53,7 @@ fn handed_back_pause(in_a_row: u32) -> Duration {
     let doublings = in_a_row.saturating_sub(1).min(16);
     (HANDED_BACK_PAUSE_FIRST * 2u32.pow(doublings)).min(HANDED_BACK_PAUSE_MOST)
 }
+
 /// Time past a batch's deadline for its outcomes to be recorded and its messages deleted,
 /// before a poller that has not come back counts as stuck.
 const HEALTH_SLACK: Duration = Duration::from_secs(30);
