@@ -285,7 +285,7 @@ async fn retire_connections(pool: &PgPool) {
 /// A worker whose database secret is rotated (RDS rotates a managed password every 7 days)
 /// reads it again when the database refuses a login, and opens its next connections with it:
 /// the batch that met the refusal runs then, not handed back to wait for its visibility
-/// timeout. The tests' server trusts any password, so here the secret's user changes and the
+/// timeout; so does a DLQ handler's. The tests' server trusts any password, so here the secret's user changes and the
 /// old one may no longer log in.
 #[tokio::test]
 async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
@@ -330,9 +330,27 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     assert_eq!(common::job(&pool, second).await.state, JobState::Succeeded);
     assert_eq!(user().await.unwrap(), new);
 
+    // Rotated back, once the follower may read again: the DLQ handler meets the refusal, and
+    // its statement runs with the secret read again.
+    tokio::time::sleep(rowq::secret::REREAD_AT_MOST_EVERY).await;
+    let poison = common::enqueue(&pool, "echo", json!({"n": "poison"})).await;
+    scheduler.run_once().await.unwrap();
+    let dead = scheduler.publisher().take();
+    secrets.put_secret_value().secret_id(&arn).secret_string(url_as(&old)).send().await.expect("rotate back");
+    run(format!("ALTER ROLE {old} LOGIN")).await.unwrap();
+    run(format!("ALTER ROLE {new} NOLOGIN")).await.unwrap();
+    retire_connections(&worker_pool).await;
+    let mut dead_letters =
+        event(dead.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect());
+    dead_letters.records[0].attributes.insert("ApproximateReceiveCount".into(), "5".into());
+    let response = rowq::dlq::handle_batch(&worker_pool, dead_letters, None).await;
+    assert!(response.batch_item_failures.is_empty(), "the dead letter met the refused login and was handed back");
+    assert_eq!(common::job(&pool, poison).await.state, JobState::Failed);
+    assert_eq!(user().await.unwrap(), old);
+
     // A login refused with what the secret holds is tried once more, not again and again: the
     // batch is handed back at once.
-    run(format!("ALTER ROLE {new} NOLOGIN")).await.unwrap();
+    run(format!("ALTER ROLE {old} NOLOGIN")).await.unwrap();
     retire_connections(&worker_pool).await;
     let third = common::enqueue(&pool, "echo", json!({"n": 3})).await;
     scheduler.run_once().await.unwrap();
