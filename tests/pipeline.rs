@@ -259,7 +259,8 @@ async fn a_poller_whose_whole_batch_is_handed_back_pauses_before_receiving_again
     // Handed back at once, batch after batch: at 0 s, then after 1 s, then after 2 s more.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let batches = source.totals().batches.load(std::sync::atomic::Ordering::Relaxed);
-    assert_eq!(batches, 2, "batches handed back whole in 2.5 s (six, the whole queue, without the pause)");
+    // Two on time; one if the endpoint is slow to answer. Six, the whole queue, without the pause.
+    assert!((1..=2).contains(&batches), "{batches} batches handed back whole in 2.5 s");
 
     refusing.store(false, std::sync::atomic::Ordering::Relaxed);
     let recovered = Instant::now();

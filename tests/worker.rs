@@ -44,6 +44,11 @@ fn record(message_id: &str, group: &str, body: String) -> SqsMessage {
     record
 }
 
+/// The records SQS would deliver for the messages a scheduler sent.
+fn records_of(sent: &[rowq::sqs::Outgoing]) -> Vec<SqsMessage> {
+    sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect()
+}
+
 fn event(records: Vec<SqsMessage>) -> SqsEvent {
     let mut event = SqsEvent::default();
     event.records = records;
@@ -285,8 +290,8 @@ async fn retire_connections(pool: &PgPool) {
 /// A worker whose database secret is rotated (RDS rotates a managed password every 7 days)
 /// reads it again when the database refuses a login, and opens its next connections with it:
 /// the batch that met the refusal runs then, not handed back to wait for its visibility
-/// timeout; so does a DLQ handler's. The tests' server trusts any password, so here the secret's user changes and the
-/// old one may no longer log in.
+/// timeout; so does a DLQ handler's dead letter. The tests' server trusts any password, so here
+/// the secret's user changes and the old one may no longer log in.
 #[tokio::test]
 async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     use sqlx::ConnectOptions;
@@ -324,8 +329,7 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     let scheduler = Scheduler::new(pool.clone(), MemoryPublisher::new(), common::scheduler_config(MEMORY_URL));
     scheduler.run_once().await.unwrap();
     let sent = scheduler.publisher().take();
-    let records = sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect();
-    let handed_back = deliver(&worker, records).await;
+    let handed_back = deliver(&worker, records_of(&sent)).await;
     assert!(handed_back.is_empty(), "the batch that met the refused login was handed back: {handed_back:?}");
     assert_eq!(common::job(&pool, second).await.state, JobState::Succeeded);
     assert_eq!(user().await.unwrap(), new);
@@ -340,8 +344,7 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     run(format!("ALTER ROLE {old} LOGIN")).await.unwrap();
     run(format!("ALTER ROLE {new} NOLOGIN")).await.unwrap();
     retire_connections(&worker_pool).await;
-    let mut dead_letters =
-        event(dead.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect());
+    let mut dead_letters = event(records_of(&dead));
     dead_letters.records[0].attributes.insert("ApproximateReceiveCount".into(), "5".into());
     let response = rowq::dlq::handle_batch(&worker_pool, dead_letters, None).await;
     assert!(response.batch_item_failures.is_empty(), "the dead letter met the refused login and was handed back");
@@ -355,9 +358,8 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     let third = common::enqueue(&pool, "echo", json!({"n": 3})).await;
     scheduler.run_once().await.unwrap();
     let sent = scheduler.publisher().take();
-    let records = sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect();
     let delivered = Instant::now();
-    assert_eq!(deliver(&worker, records).await.len(), 1, "refused with the secret's own URL: handed back");
+    assert_eq!(deliver(&worker, records_of(&sent)).await.len(), 1, "refused with the secret's own URL: handed back");
     assert!(delivered.elapsed() < rowq::secret::RENEWAL_WAIT, "held for {:?}", delivered.elapsed());
     assert_eq!(common::job(&pool, third).await.state, JobState::Dispatched);
 
