@@ -136,8 +136,8 @@ where
 /// replaced: the worker's batches, the DLQ handler's, the scheduler's passes, all of them. Now
 /// each login the database refuses ([`note`]) has the secret read again (at most every
 /// [`REREAD_AT_MOST_EVERY`]); when it holds another URL, each pool opens its new connections
-/// with it (its own session settings kept), and the statements that failed are retried as
-/// before: SQS redelivers the batches, the scheduler passes again.
+/// with it (its own session settings kept). A batch or a job's transaction that met the refusal
+/// goes on with it ([`once_more_if_rotated`]); a scheduler's pass is tried again.
 pub fn follow(database: &DatabaseConfig, pools: Vec<(PgPool, Session)>) {
     let Some(arn) = database.secret_arn.clone() else {
         return;

@@ -508,7 +508,7 @@ pub(crate) fn decode_record(raw: &SqsMessage) -> Option<(String, JobMessage)> {
 }
 
 /// The partial batch response reporting `failed` message ids.
-pub(crate) fn batch_response(failed: Vec<String>) -> SqsBatchResponse {
+pub fn batch_response(failed: Vec<String>) -> SqsBatchResponse {
     let mut response = SqsBatchResponse::default();
     response.batch_item_failures = failed
         .into_iter()

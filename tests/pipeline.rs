@@ -232,21 +232,8 @@ async fn a_poller_whose_whole_batch_is_handed_back_pauses_before_receiving_again
         let refusing = refusing.clone();
         move |event: SqsEvent, _deadline: Instant, _poller: usize, _returned: HandlersReturned| {
             let refusing = refusing.load(std::sync::atomic::Ordering::Relaxed);
-            async move {
-                let mut response = SqsBatchResponse::default();
-                if refusing {
-                    response.batch_item_failures = event
-                        .records
-                        .iter()
-                        .map(|record| {
-                            let mut failure = aws_lambda_events::event::sqs::BatchItemFailure::default();
-                            failure.item_identifier = record.message_id.clone().unwrap_or_default();
-                            failure
-                        })
-                        .collect();
-                }
-                response
-            }
+            let every_record = event.records.into_iter().filter_map(|record| record.message_id).collect();
+            async move { rowq::worker::batch_response(if refusing { every_record } else { Vec::new() }) }
         }
     };
     let source = Arc::new(

@@ -282,10 +282,10 @@ async fn enqueue(pool: &PgPool, args: EnqueueArgs, json: bool) -> anyhow::Result
     };
     let payload = match (&args.lines, args.payload.as_str()) {
         (Some(_), _) => serde_json::Value::Null, // each line's, below
-        (None, "-") => parse_payload(&read_input("-")?, "the payload on standard input")?,
+        (None, "-") => parse_payload(&read_input("-")?, || "the payload on standard input".into())?,
         (None, text) => match text.strip_prefix('@') {
-            Some(path) => parse_payload(&read_input(path)?, &format!("the payload in {path}"))?,
-            None => parse_payload(text, "PAYLOAD")?,
+            Some(path) => parse_payload(&read_input(path)?, || format!("the payload in {path}"))?,
+            None => parse_payload(text, || "PAYLOAD".into())?,
         },
     };
     let job = admin::NewJob {
@@ -388,7 +388,7 @@ fn statements(lines: Lines<'_>) -> impl Iterator<Item = anyhow::Result<Vec<(usiz
 /// begins: a slow producer then holds no transaction open (which would hold back the cleanup of
 /// old row versions).
 enum LineSource {
-    File(std::path::PathBuf),
+    File(std::fs::File),
     Text(String),
 }
 
@@ -398,17 +398,19 @@ impl LineSource {
         if !regular {
             return Ok(LineSource::Text(read_input(source)?));
         }
-        std::fs::File::open(source).with_context(|| format!("cannot read {source}"))?;
-        Ok(LineSource::File(source.into()))
+        Ok(LineSource::File(std::fs::File::open(source).with_context(|| format!("cannot read {source}"))?))
     }
 
-    /// The payload lines, from the start; `name` names the source in errors.
+    /// The payload lines, from the start; `name` names the source in errors. A file is read
+    /// again through the handle it was opened with: a file renamed over it meanwhile is not read.
     fn lines<'a>(&'a self, name: &'a str) -> anyhow::Result<Lines<'a>> {
-        use std::io::BufRead;
+        use std::io::{BufRead, Seek};
         let reader: Box<dyn BufRead + 'a> = match self {
-            LineSource::File(path) => Box::new(std::io::BufReader::new(
-                std::fs::File::open(path).with_context(|| format!("cannot read {name}"))?,
-            )),
+            LineSource::File(file) => {
+                let mut file: &std::fs::File = file;
+                file.rewind().with_context(|| format!("cannot read {name} again"))?;
+                Box::new(std::io::BufReader::new(file))
+            }
             LineSource::Text(text) => Box::new(text.as_bytes()),
         };
         Ok(Box::new(reader.lines().enumerate().filter_map(move |(index, line)| match line {
@@ -432,10 +434,10 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
     let mut checked = 0;
     for line in input.lines(name)? {
         let (index, line) = line?;
-        let what = format!("line {} of {name}", index + 1);
+        let what = || format!("line {} of {name}", index + 1);
         // The database refuses a payload that is no object too, but would not say which line.
-        if !parse_payload(&line, &what)?.is_object() {
-            bail!("{what} is not a JSON object (a payload must be one): {:?}", clip(&line));
+        if !parse_payload(&line, what)?.is_object() {
+            bail!("{} is not a JSON object (a payload must be one): {:?}", what(), clip(&line));
         }
         checked += 1;
     }
@@ -446,7 +448,7 @@ async fn enqueue_lines(pool: &PgPool, job: &admin::NewJob, source: &str, json: b
         let statement = statement.with_context(|| NONE_ENQUEUED.to_string())?;
         let payloads = statement
             .iter()
-            .map(|(index, line)| parse_payload(line, &format!("line {} of {name}", index + 1)))
+            .map(|(index, line)| parse_payload(line, || format!("line {} of {name}", index + 1)))
             .collect::<anyhow::Result<Vec<_>>>()
             .with_context(|| format!("{NONE_ENQUEUED}: {name} changed while it was read"))?;
         match admin::enqueue_many(&mut *transaction, job, &payloads).await {
@@ -590,10 +592,11 @@ fn read_input(source: &str) -> anyhow::Result<String> {
     std::fs::read_to_string(source).with_context(|| format!("cannot read {source}"))
 }
 
-/// A payload's JSON; `what` names where it came from in the error. Whether it is an object is
-/// the database's rule (`jobs_payload_is_a_json_object`).
-fn parse_payload(text: &str, what: &str) -> anyhow::Result<serde_json::Value> {
-    serde_json::from_str(text).with_context(|| format!("{what} is not valid JSON: {:?}", clip(text)))
+/// A payload's JSON; `what` names where it came from, in the error only (a backfill parses
+/// each of its lines twice, and names none that parses). Whether it is an object is the
+/// database's rule (`jobs_payload_is_a_json_object`).
+fn parse_payload(text: &str, what: impl FnOnce() -> String) -> anyhow::Result<serde_json::Value> {
+    serde_json::from_str(text).with_context(|| format!("{} is not valid JSON: {:?}", what(), clip(text)))
 }
 
 /// At most the first 80 characters of `text`, for an error line.
