@@ -11,13 +11,16 @@ use sqlx::PgPool;
 use crate::config::MetricsTarget;
 use crate::store::admin::KindCount;
 use crate::store::run;
-use crate::worker::{batch_response, decode_record};
+use crate::worker::{batch_response, decode_record, lambda_answer};
 
 /// The SQS record attribute counting receives.
 pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
 
 /// Handles one batch from the DLQ. Only a database failure reports a record failed (SQS
-/// delivers it again); malformed bodies are acknowledged and logged. A failed job of a group
+/// delivers it again); malformed bodies are acknowledged and logged. A database that cannot
+/// be reached, or refuses the login, fails the rest of the batch with it, untried: each try
+/// would wait out the pool's acquire timeout (10 s) in turn, a batch of ten longer than the
+/// function's timeout (30 s), which then ended it with nothing said. A failed job of a group
 /// lets the group's next one go, so then the schedulers are woken, as the worker does. With
 /// `metrics`, the batch ends with a line per kind of how many jobs it failed
 /// ([`crate::metrics::dead_letters_lines`]): the poison jobs, by kind, which the worker never
@@ -26,10 +29,16 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
     let mut failed = Vec::new();
     let mut group_moved = false;
     let mut by_kind: Vec<KindCount> = Vec::new();
+    let (mut unavailable, mut untried) = (false, 0usize);
     for record in event.records {
         let Some((message_id, message)) = decode_record(&record) else {
             continue;
         };
+        if unavailable {
+            failed.push(message_id);
+            untried += 1;
+            continue;
+        }
         let receives = record.attributes.get(RECEIVE_COUNT_ATTRIBUTE).map_or("an unknown number of", String::as_str);
         let reason = format!(
             "dead-lettered: its message (generation {}) was received {receives} times without being processed",
@@ -54,10 +63,14 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
             ),
             Err(error) => {
                 crate::secret::note(&error);
+                unavailable = crate::store::unreachable(&error) || crate::secret::login_refused(&error);
                 tracing::error!(error = %error, sqs.message_id = %message_id, "could not record a dead letter: database unavailable; it will be redelivered");
                 failed.push(message_id);
             }
         }
+    }
+    if untried > 0 {
+        tracing::warn!(records = untried, "the rest of the batch handed back untried: the database cannot be reached");
     }
     if group_moved && let Err(error) = crate::store::wake_schedulers(pool, "group").await {
         tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
@@ -78,7 +91,10 @@ pub async fn run_lambda(pool: PgPool, metrics: Option<MetricsTarget>) -> Result<
     let (pool, metrics) = (Arc::new(pool), Arc::new(metrics));
     lambda_runtime::run(lambda_runtime::service_fn(move |event: lambda_runtime::LambdaEvent<SqsEvent>| {
         let (pool, metrics) = (pool.clone(), metrics.clone());
-        async move { Ok::<_, lambda_runtime::Error>(handle_batch(&pool, event.payload, metrics.as_ref().as_ref()).await) }
+        async move {
+            let records = event.payload.records.len();
+            lambda_answer(records, handle_batch(&pool, event.payload, metrics.as_ref().as_ref()).await)
+        }
     }))
     .await
 }

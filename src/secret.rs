@@ -71,7 +71,7 @@ pub const RENEWAL_WAIT: Duration = Duration::from_secs(5);
 
 /// Whether `error` is a login the database refused (SQLSTATE class 28: a password or a user
 /// that no longer works). It comes only from opening a connection: no statement ran.
-fn login_refused(error: &sqlx::Error) -> bool {
+pub(crate) fn login_refused(error: &sqlx::Error) -> bool {
     error.as_database_error().and_then(|db| db.code()).is_some_and(|code| code.starts_with("28"))
 }
 

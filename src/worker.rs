@@ -22,6 +22,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent, SqsMessage};
+use lambda_runtime::Diagnostic;
 use rand::Rng;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
@@ -521,6 +522,33 @@ pub fn batch_response(failed: Vec<String>) -> SqsBatchResponse {
     response
 }
 
+/// What a Lambda on the SQS event source answers for a batch of `records` records: its
+/// partial batch response, or a function error when that response hands back every record.
+///
+/// Both return the same records to the queue. But Lambda backs off after a function error,
+/// reducing the concurrency of the event source mapping, and a response listing failed
+/// records is a successful invocation: nothing slows. Every record comes back only when the
+/// database could not be had (a refused login, no connection slot, a server starting up) or
+/// the invocation had no time left; answered as a success, each such batch went back within
+/// milliseconds and Lambda received the next at once, so a queue drained into invisibility for
+/// the visibility timeout, a receive nearer the DLQ per message, while invocation after
+/// invocation opened connections to a database trying to recover. (The local event source's
+/// pollers pause instead: [`crate::event_source`].)
+pub fn lambda_answer(records: usize, response: SqsBatchResponse) -> Result<SqsBatchResponse, Diagnostic> {
+    let handed_back = response.batch_item_failures.len();
+    if records == 0 || handed_back < records {
+        return Ok(response);
+    }
+    tracing::warn!(records, "every record handed back: answering with a function error so that Lambda backs off");
+    Err(Diagnostic {
+        error_type: "rowq::BatchHandedBack".into(),
+        error_message: format!(
+            "all {records} records of the batch handed back (the database could not be had, or no time was left); \
+             they return to the queue as a partial batch response would return them"
+        ),
+    })
+}
+
 /// Exponential backoff with jitter for attempt `attempt` (1-based): a delay drawn uniformly
 /// from [d/2, d], where d = base × 2^(attempt-1) capped at `max`.
 pub fn backoff(attempt: i32, base: Duration, max: Duration) -> Duration {
@@ -556,7 +584,8 @@ pub async fn run_lambda(worker: Worker) -> Result<(), lambda_runtime::Error> {
         let worker = worker.clone();
         async move {
             let deadline = deadline_from_epoch_millis(event.context.deadline);
-            Ok::<_, lambda_runtime::Error>(worker.handle_batch(event.payload, deadline).await)
+            let records = event.payload.records.len();
+            lambda_answer(records, worker.handle_batch(event.payload, deadline).await)
         }
     }))
     .await
