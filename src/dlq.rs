@@ -9,6 +9,7 @@ use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent};
 use sqlx::PgPool;
 
 use crate::config::MetricsTarget;
+use crate::job::JobState;
 use crate::store::admin::KindCount;
 use crate::store::run;
 use crate::worker::{batch_response, decode_record, lambda_answer};
@@ -20,14 +21,17 @@ pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
 /// delivers it again); malformed bodies are acknowledged and logged. A database that cannot
 /// be reached, or refuses the login, fails the rest of the batch with it, untried: each try
 /// would wait out the pool's acquire timeout (10 s) in turn, a batch of ten longer than the
-/// function's timeout (30 s), which then ended it with nothing said. A failed job of a group
-/// lets the group's next one go, so then the schedulers are woken, as the worker does. With
+/// function's timeout (30 s), which then ended it with nothing said.
+///
+/// A job still `dispatched` was never started, so it is no poison job: it goes back to
+/// `pending`, no attempt spent ([`run::dead_letter`]). A job that goes back to be dispatched,
+/// or a failed job of a group (its next one may go), wakes the schedulers, as the worker does. With
 /// `metrics`, the batch ends with a line per kind of how many jobs it failed
 /// ([`crate::metrics::dead_letters_lines`]): the poison jobs, by kind, which the worker never
 /// finished and so never counted.
 pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&MetricsTarget>) -> SqsBatchResponse {
     let mut failed = Vec::new();
-    let mut group_moved = false;
+    let (mut group_moved, mut dispatched_again) = (false, false);
     let mut by_kind: Vec<KindCount> = Vec::new();
     let (mut unavailable, mut untried) = (false, 0usize);
     for record in event.records {
@@ -46,6 +50,14 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
         );
         let dead_letter = || run::dead_letter(pool, message.job_id, message.dispatch_gen, &reason);
         match crate::secret::once_more_if_rotated(dead_letter).await {
+            Ok(Some(dead)) if dead.to != JobState::Failed => {
+                dispatched_again = true;
+                tracing::warn!(
+                    job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,
+                    job.from = dead.from.as_str(), job.to = dead.to.as_str(), error = %reason,
+                    "dead-lettered before any worker started it: dispatched again, no attempt spent"
+                );
+            }
             Ok(Some(dead)) => {
                 group_moved |= dead.group_key.is_some();
                 match by_kind.iter_mut().find(|counted| counted.kind == dead.kind) {
@@ -72,7 +84,10 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
     if untried > 0 {
         tracing::warn!(records = untried, "the rest of the batch handed back untried: the database cannot be reached");
     }
-    if group_moved && let Err(error) = crate::store::wake_schedulers(pool, "group").await {
+    let woken = if dispatched_again { Some("rescued") } else { group_moved.then_some("group") };
+    if let Some(why) = woken
+        && let Err(error) = crate::store::wake_schedulers(pool, why).await
+    {
         tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
     }
     if let Some(target) = metrics {

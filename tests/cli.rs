@@ -394,13 +394,15 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
 }
 
 /// The DLQ handler, given the same namespace, prints how many jobs of each kind it failed: `rowq
-/// work` serves the DLQ too, and a message there for a dispatched job fails it.
+/// work` serves the DLQ too, and a message there for a job a worker started fails it.
 #[tokio::test]
 async fn the_dlq_handler_prints_the_jobs_it_failed_by_kind_as_cloudwatch_metrics_on_stdout() {
     let pool = common::database().await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
     let id = dispatched(&pool, "resize_image").await;
+    let started = rowq::store::run::StartRequest { id, dispatch_gen: 1, lease: Duration::from_secs(60) };
+    assert_eq!(rowq::store::run::start(&pool, &[started]).await.unwrap().len(), 1);
     assert_eq!(common::send_job_messages(&client, &queues.dlq_url, &[(id, 1)], "dead").await, Ok(1));
 
     let worker = work_reporting_metrics(&pool, &queues.queue_url, &[("ROWQ_DLQ_URL", &queues.dlq_url)]);

@@ -767,12 +767,14 @@ async fn a_resume_by_plain_sql_wakes_a_paused_scheduler_which_logs_the_pause_onc
 
 /// A group's next job may go once its head ends, and that sends no `NOTIFY` of its own:
 /// however the head ends (the worker finishes it, an operator cancels it, the DLQ or a rescue
-/// fails it), the schedulers are woken, and an idle one dispatches the next job at once.
+/// fails it), the schedulers are woken, and an idle one dispatches the next job at once. A
+/// head the DLQ sends back unstarted (its message dead-lettered before a worker started it) is
+/// dispatched again at once, and its group's next job waits.
 #[tokio::test]
 async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     let pool = common::database().await;
     let mut groups = Vec::new();
-    for group in ["finished", "cancelled", "dead-lettered", "rescued"] {
+    for group in ["finished", "cancelled", "dead-lettered", "rescued", "unstarted"] {
         groups.push((enqueue_with(&pool, group_job(group, 1)).await, enqueue_with(&pool, group_job(group, 2)).await));
     }
     let (stop, running) = spawn_idle_scheduler(&pool);
@@ -788,7 +790,7 @@ async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
         event.records = vec![record];
         event
     };
-    let [finished, cancelled, dead_lettered, rescued] = groups.try_into().unwrap();
+    let [finished, cancelled, dead_lettered, rescued, unstarted] = groups.try_into().unwrap();
 
     let worker = Worker::new(pool.clone(), Registry::builtin(), common::worker_config());
     let response = worker.handle_batch(message(finished.0), Instant::now() + Duration::from_secs(30)).await;
@@ -798,9 +800,23 @@ async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     assert!(admin::cancel(&pool, cancelled.0).await.unwrap().is_some());
     wait_dispatched(&pool, cancelled.1, "the next job after its head was cancelled").await;
 
+    // A worker started it (and died with it, delivery after delivery).
+    let started = StartRequest { id: dead_lettered.0, dispatch_gen: 1, lease: Duration::from_secs(60) };
+    assert_eq!(start(&pool, &[started]).await.unwrap().len(), 1);
     assert!(dlq::handle_batch(&pool, message(dead_lettered.0), None).await.batch_item_failures.is_empty());
     assert_eq!(common::job(&pool, dead_lettered.0).await.state, JobState::Failed);
     wait_dispatched(&pool, dead_lettered.1, "the next job after its head was dead-lettered").await;
+
+    assert!(dlq::handle_batch(&pool, message(unstarted.0), None).await.batch_item_failures.is_empty());
+    common::eventually(Duration::from_secs(30), "the head sent back unstarted to be dispatched again", || {
+        let pool = pool.clone();
+        async move {
+            let row = common::job(&pool, unstarted.0).await;
+            (row.state == JobState::Dispatched && row.dispatch_gen == 2).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(common::job(&pool, unstarted.1).await.state, JobState::Pending, "its group waits for it");
 
     sqlx::query(
         "UPDATE rowq.jobs SET state = 'running', attempts = max_attempts, run_deadline = now() - interval '1 minute'
@@ -814,7 +830,7 @@ async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     wait_dispatched(&pool, rescued.1, "the next job after a rescue failed its head").await;
 
     stop.send(true).unwrap();
-    assert_eq!(running.await.unwrap().published, 8);
+    assert_eq!(running.await.unwrap().published, 10);
 }
 
 #[tokio::test]

@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
 use rowq::config::DatabaseConfig;
 use rowq::store::dispatch::claim_due;
+use rowq::store::run::{StartRequest, start};
 use rowq::{JobId, JobMessage, JobState, dlq};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -151,11 +152,15 @@ fn event(records: &[(&str, String)]) -> SqsEvent {
     event
 }
 
-/// A dispatched job and the body of its message.
-async fn dispatched(pool: &PgPool) -> (JobId, String) {
+/// A dispatched job, started too if `started` (as a worker that died with it leaves it), and
+/// the body of its message.
+async fn dispatched(pool: &PgPool, started: bool) -> (JobId, String) {
     let id = common::enqueue(pool, "noop", json!({})).await;
-    let claimed = claim_due(pool, "default", 1, Duration::from_secs(60)).await.unwrap();
-    (id, JobMessage::new(id, claimed[0].dispatch_gen).encode())
+    let dispatch_gen = claim_due(pool, "default", 1, Duration::from_secs(60)).await.unwrap()[0].dispatch_gen;
+    if started {
+        start(pool, &[StartRequest { id, dispatch_gen, lease: Duration::from_secs(60) }]).await.unwrap();
+    }
+    (id, JobMessage::new(id, dispatch_gen).encode())
 }
 
 fn failures(ids: &[&str]) -> Value {
@@ -178,7 +183,10 @@ async fn a_lambda_that_hands_back_its_whole_batch_answers_with_a_function_error_
     for (binary, ends) in
         [(env!("CARGO_BIN_EXE_worker"), JobState::Succeeded), (env!("CARGO_BIN_EXE_dlq-handler"), JobState::Failed)]
     {
-        let (id, body) = dispatched(&pool).await;
+        // The DLQ handler fails a job a worker started (an unstarted one it sends back).
+        let started = ends == JobState::Failed;
+        let (id, body) = dispatched(&pool, started).await;
+        let before = if started { JobState::Running } else { JobState::Dispatched };
         let mut api = RuntimeApi::start().await;
         let mut function = function(binary, &api, &url);
         outage.send_replace(true);
@@ -196,7 +204,7 @@ async fn a_lambda_that_hands_back_its_whole_batch_answers_with_a_function_error_
             }
             other => panic!("{binary}: every record handed back is a function error: {other:?}"),
         }
-        assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched, "{binary}: nothing ran");
+        assert_eq!(common::job(&pool, id).await.state, before, "{binary}: nothing ran");
 
         outage.send_replace(false);
         match api.invoke(&mut function, &whole).await {

@@ -11,6 +11,7 @@ use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use rowq::event_source::{EventSource, HandlersReturned};
 use rowq::pipeline::Pipeline;
 use rowq::store::dispatch::claim_due;
+use rowq::store::run::{StartRequest, start};
 use rowq::{JobContext, JobError, JobMessage, JobState, Registry, Scheduler, SqsPublisher, Worker, dlq};
 use serde_json::json;
 use sqlx::PgPool;
@@ -262,18 +263,27 @@ async fn a_poller_whose_whole_batch_is_handed_back_pauses_before_receiving_again
     running.await.unwrap();
 }
 
+/// Messages a worker cannot complete land on the DLQ after `maxReceiveCount` receives. The DLQ
+/// handler fails the job a worker had started (a poison job: its worker crashed each time) and
+/// sends the one no worker had started back to be dispatched again, no attempt spent: what
+/// failed its message was the worker's database, not the job, and it runs once that answers.
 #[tokio::test]
-async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_their_jobs() {
+async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the_started_job_and_redispatches_the_other()
+ {
     let pool = common::database().await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 2, Duration::from_secs(1)).await;
-    let id = common::enqueue(&pool, "noop", json!({})).await;
+    let poison = common::enqueue(&pool, "noop", json!({})).await;
+    let unstarted = common::enqueue(&pool, "noop", json!({})).await;
     let scheduler = Scheduler::new(
         pool.clone(),
         SqsPublisher::new(client.clone(), queues.queue_url.clone()),
         common::scheduler_config(&queues.queue_url),
     );
-    assert_eq!(scheduler.run_once().await.unwrap().published, 1);
+    assert_eq!(scheduler.run_once().await.unwrap().published, 2);
+    // A worker started the poison job, and died with it.
+    let lease = Duration::from_secs(60);
+    assert_eq!(start(&pool, &[StartRequest { id: poison, dispatch_gen: 1, lease }]).await.unwrap().len(), 1);
 
     // The worker's database is unreachable: every receive ends in a batch item failure.
     let mut config = common::worker_config();
@@ -300,12 +310,12 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
             .attributes()
             .and_then(|a| a.get(&aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages).cloned())
             .unwrap_or_default();
-        if on_dlq == "1" {
+        if on_dlq == "2" {
             break;
         }
     }
-    assert_eq!(receives, 2, "received {receives} times before the DLQ took it");
-    assert_eq!(common::job(&pool, id).await.state, JobState::Dispatched);
+    assert_eq!(receives, 4, "received {receives} times before the DLQ took both");
+    assert_eq!(common::job(&pool, unstarted).await.state, JobState::Dispatched);
 
     let dlq = EventSource::new(client.clone(), &queues.dlq_url, Duration::from_secs(1), Duration::from_secs(10))
         .await
@@ -314,21 +324,45 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
         let pool = pool.clone();
         async move { dlq::handle_batch(&pool, event, None).await }
     };
-    assert_eq!(dlq.poll_once(&dlq_handler).await.unwrap(), 1);
-    let row = common::job(&pool, id).await;
+    let mut handled = 0;
+    while handled < 2 && started.elapsed() < Duration::from_secs(40) {
+        handled += dlq.poll_once(&dlq_handler).await.unwrap();
+    }
+    assert_eq!(handled, 2);
+    let row = common::job(&pool, poison).await;
     assert_eq!(row.state, JobState::Failed);
     let error = row.last_error.unwrap();
     // The count is SQS's "approximate" one: LocalStack counts the receive that moved it.
     assert!(error.contains("dead-lettered") && error.contains("times without being processed"), "{error}");
     println!("dead-lettered after {:?}: {error}", started.elapsed());
+
+    let row = common::job(&pool, unstarted).await;
+    assert_eq!((row.state, row.attempts, row.last_error), (JobState::Pending, 0, None));
+    assert_eq!(scheduler.run_once().await.unwrap().published, 1, "dispatched again");
+    let worker = Arc::new(Worker::new(pool.clone(), effect_registry(), common::worker_config()));
+    let healthy = move |event: SqsEvent, deadline: Instant, _poller, _returned| {
+        let worker = worker.clone();
+        async move { worker.handle_batch(event, deadline).await }
+    };
+    let mut ran = 0;
+    while ran == 0 && started.elapsed() < Duration::from_secs(50) {
+        ran += source.poll_once(&healthy).await.unwrap();
+    }
+    let row = common::job(&pool, unstarted).await;
+    assert_eq!((row.state, row.attempts, row.dispatch_gen), (JobState::Succeeded, 1, 2));
 }
 
+/// The DLQ handler fails a started job, sends one no worker started back to `pending` (no
+/// attempt spent, the reason in its history), fails one whose attempts are somehow used up, and
+/// leaves finished and re-dispatched jobs alone.
 #[tokio::test]
-async fn the_dlq_handler_leaves_finished_and_redispatched_jobs_alone() {
+async fn the_dlq_handler_fails_started_jobs_sends_unstarted_ones_back_and_leaves_the_rest_alone() {
     let pool = common::database().await;
     let finished = common::enqueue(&pool, "noop", json!({})).await;
     let redispatched = common::enqueue(&pool, "noop", json!({})).await;
     let dead = common::enqueue(&pool, "noop", json!({})).await;
+    let unstarted = common::enqueue(&pool, "noop", json!({})).await;
+    let used_up = common::enqueue(&pool, "noop", json!({})).await;
     claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap();
     sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = $1")
         .bind(finished)
@@ -336,6 +370,18 @@ async fn the_dlq_handler_leaves_finished_and_redispatched_jobs_alone() {
         .await
         .unwrap();
     sqlx::query("UPDATE rowq.jobs SET dispatch_gen = 2 WHERE id = $1").bind(redispatched).execute(&pool).await.unwrap();
+    assert_eq!(
+        start(&pool, &[StartRequest { id: dead, dispatch_gen: 1, lease: Duration::from_secs(60) }])
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    sqlx::query("UPDATE rowq.jobs SET max_attempts = 1, attempts = 1 WHERE id = $1")
+        .bind(used_up)
+        .execute(&pool)
+        .await
+        .unwrap();
 
     let record = |id: &str, body: String| {
         let mut record = SqsMessage::default();
@@ -350,14 +396,25 @@ async fn the_dlq_handler_leaves_finished_and_redispatched_jobs_alone() {
         record("b", JobMessage::new(redispatched, 1).encode()),
         record("c", "garbage".into()),
         record("d", JobMessage::new(dead, 1).encode()),
+        record("e", JobMessage::new(unstarted, 1).encode()),
+        record("f", JobMessage::new(used_up, 1).encode()),
     ];
     let response = dlq::handle_batch(&pool, event, None).await;
     assert!(response.batch_item_failures.is_empty());
     assert_eq!(common::job(&pool, finished).await.state, JobState::Succeeded);
     assert_eq!(common::job(&pool, redispatched).await.state, JobState::Dispatched);
     let row = common::job(&pool, dead).await;
-    assert_eq!(row.state, JobState::Failed);
+    assert_eq!((row.state, row.attempts), (JobState::Failed, 1));
     assert!(row.last_error.unwrap().contains("received 5 times"));
+
+    let row = common::job(&pool, unstarted).await;
+    assert_eq!((row.state, row.attempts, row.last_error, row.finished_at), (JobState::Pending, 0, None, None));
+    let history = row.errors.to_string();
+    assert!(history.contains("received 5 times") && history.contains("no worker had started it"), "{history}");
+    assert_eq!(claim_due(&pool, "default", 10, Duration::from_secs(60)).await.unwrap().len(), 1, "due again");
+
+    let row = common::job(&pool, used_up).await;
+    assert_eq!(row.state, JobState::Failed, "attempts used up");
 }
 
 #[tokio::test]

@@ -340,6 +340,9 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     let poison = common::enqueue(&pool, "echo", json!({"n": "poison"})).await;
     scheduler.run_once().await.unwrap();
     let dead = scheduler.publisher().take();
+    let started =
+        StartRequest { id: poison, dispatch_gen: dead[0].message.dispatch_gen, lease: Duration::from_secs(60) };
+    assert_eq!(start(&pool, &[started]).await.unwrap().len(), 1, "a worker started it, and died with it");
     secrets.put_secret_value().secret_id(&arn).secret_string(url_as(&old)).send().await.expect("rotate back");
     run(format!("ALTER ROLE {old} LOGIN")).await.unwrap();
     run(format!("ALTER ROLE {new} NOLOGIN")).await.unwrap();

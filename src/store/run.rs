@@ -556,22 +556,29 @@ fn replace_nul(value: &mut serde_json::Value) {
     }
 }
 
-/// A job [`dead_letter`] failed.
+/// A job whose message [`dead_letter`] took: failed, or dispatched again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLettered {
     /// The state it was in.
     pub from: JobState,
-    /// Its group, whose next job may now go.
+    /// The state it is in now: `failed`, or `pending` for a job no worker had started.
+    pub to: JobState,
+    /// Its group, whose next job may now go (when it failed).
     pub group_key: Option<String>,
     /// Its kind, for the DLQ handler's metrics.
     pub kind: String,
 }
 
-from_row!(DeadLettered { from = "state", group_key, kind });
+from_row!(DeadLettered { from = "before_state", to = "state", group_key, kind });
 
-/// The DLQ's transition: `dispatched | running → failed` for the dead-lettered generation,
-/// with `reason` as the error. Terminal rows and rows of a newer generation are left alone
-/// (`None`).
+/// The DLQ's transition for the dead-lettered generation, with `reason` in the job's error
+/// history: `running → failed` (the job's last attempt, as `last_error` too), and
+/// `dispatched → pending` with no attempt spent. A job still `dispatched` had not been started
+/// by any worker: what failed its message, delivery after delivery, was no execution of it
+/// (the worker could not reach the database, or had no time left), so it is no poison job,
+/// and it goes back to be dispatched again, as a rescue would once its lease ran out (unless
+/// its attempts are somehow used up: then `failed`). Terminal rows and rows of a newer
+/// generation are left alone (`None`).
 pub async fn dead_letter(
     pool: &PgPool,
     id: JobId,
@@ -581,17 +588,20 @@ pub async fn dead_letter(
     sqlx::query_as(
         r#"
         UPDATE rowq.jobs j
-        SET state = 'failed',
-            last_error = $3,
+        SET state = CASE WHEN before.failed THEN 'failed'::rowq.job_state ELSE 'pending' END,
+            last_error = CASE WHEN before.failed THEN $3 ELSE j.last_error END,
             errors = j.errors || jsonb_build_array(jsonb_build_object(
-                       'attempt', j.attempts, 'dispatch_gen', j.dispatch_gen, 'at', now(), 'error', $3::text)),
-            finished_at = now(),
+                       'attempt', j.attempts, 'dispatch_gen', j.dispatch_gen, 'at', now(),
+                       'error', CASE WHEN before.failed THEN $3::text
+                                     ELSE $3::text || '; no worker had started it: dispatched again' END)),
+            finished_at = CASE WHEN before.failed THEN now() END,
             dispatch_deadline = NULL,
             run_deadline = NULL,
             updated_at = now()
-        FROM (SELECT state FROM rowq.jobs WHERE id = $1 FOR UPDATE) AS before
+        FROM (SELECT state, state = 'running' OR attempts >= max_attempts AS failed
+              FROM rowq.jobs WHERE id = $1 FOR UPDATE) AS before
         WHERE j.id = $1 AND j.dispatch_gen = $2 AND j.state IN ('dispatched', 'running')
-        RETURNING before.state, j.group_key, j.kind
+        RETURNING before.state AS before_state, j.state, j.group_key, j.kind
         "#,
     )
     .bind(id)
