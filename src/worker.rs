@@ -77,6 +77,16 @@ pub struct Worker {
 struct Record {
     message_id: String,
     message: JobMessage,
+    /// How many times SQS has delivered it (`ApproximateReceiveCount`), 1 when not said.
+    received: u32,
+}
+
+impl Record {
+    /// Whether `job`, started for this record, is a take-over after its message came back: the
+    /// execution before it ended without an outcome, and may have ended its process with it.
+    fn taken_over(&self, job: &Started) -> bool {
+        self.received > 1 && job.attempt > 1
+    }
 }
 
 /// How one execution ended.
@@ -230,7 +240,7 @@ impl Worker {
         steps: &Combiner<Step, Done>,
         round: &[(usize, Record)],
         deadline: Instant,
-        ran: Option<oneshot::Sender<()>>,
+        mut ran: Option<oneshot::Sender<()>>,
         tally: &mut Tally,
     ) -> Vec<usize> {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -247,9 +257,16 @@ impl Worker {
         let longest =
             self.registry.longest_timeout().map_or(self.config.job_timeout, |t| t.max(self.config.job_timeout));
         let lease = longest.min(remaining) + self.config.rescue_grace;
+        // A record delivered before may be a take-over, run after the others
+        // ([`Self::run_one_at_a_time`]): its lease lasts as long as the invocation may.
+        let lease_after_others = remaining + self.config.rescue_grace;
         let requests: Vec<StartRequest> = round
             .iter()
-            .map(|(_, r)| StartRequest { id: r.message.job_id, dispatch_gen: r.message.dispatch_gen, lease })
+            .map(|(_, r)| StartRequest {
+                id: r.message.job_id,
+                dispatch_gen: r.message.dispatch_gen,
+                lease: if r.received > 1 { lease_after_others } else { lease },
+            })
             .collect();
         let started = match steps.call(requests.into_iter().map(Step::Start).collect()).await {
             Ok(done) => done.into_iter().filter_map(Done::started),
@@ -263,6 +280,7 @@ impl Worker {
             started.into_iter().map(|job| ((job.id, job.dispatch_gen), job)).collect();
         let mut group_of: HashMap<String, usize> = HashMap::new();
         let mut runs = Vec::new();
+        let mut taken_over = Vec::new();
         for (g, record) in round {
             match by_job.remove(&(record.message.job_id, record.message.dispatch_gen)) {
                 Some(job) => {
@@ -272,7 +290,11 @@ impl Worker {
                         job.from = "dispatched", job.to = "running", "job started"
                     );
                     group_of.insert(record.message_id.clone(), *g);
-                    runs.push(self.execute(record.clone(), job, deadline));
+                    if record.taken_over(&job) {
+                        taken_over.push((record.clone(), job));
+                    } else {
+                        runs.push(self.execute(record.clone(), job, deadline));
+                    }
                 }
                 None => {
                     tally.stale += 1;
@@ -285,11 +307,61 @@ impl Worker {
             }
         }
         let executions = futures::future::join_all(runs).await;
-        if let Some(ran) = ran {
-            let _ = ran.send(());
-        }
-        let failed_records = self.record_outcomes(steps, executions, tally).await;
+        let mut say_ran = |last: bool| {
+            if last && let Some(ran) = ran.take() {
+                let _ = ran.send(());
+            }
+        };
+        say_ran(taken_over.is_empty());
+        let mut failed_records = self.record_outcomes(steps, executions, tally).await;
+        failed_records.extend(self.run_one_at_a_time(steps, taken_over, deadline, say_ran, tally).await);
         failed_records.iter().filter_map(|id| group_of.get(id).copied()).collect()
+    }
+
+    /// Runs executions taken over after their message came back one at a time, each outcome
+    /// recorded before the next begins, and says on `say_ran(true)` when the last handler has
+    /// returned. Returns the message ids whose outcome could not be recorded, or that had no
+    /// time left to run.
+    ///
+    /// The execution before a take-over ended without an outcome: its worker was killed, or
+    /// timed out, or a job beside it ended the process (memory, a crash in native code). Run
+    /// side by side as on first delivery, such a job killed its batch-mates with it at every
+    /// delivery, each a further attempt, until SQS gave up on all of them and the DLQ handler
+    /// failed them together. One at a time, each one run before it is recorded; and the order
+    /// turns round with every attempt (as given on odd attempts, reversed on even), so that
+    /// within two deliveries of a batch every other job has run before the one that kills.
+    async fn run_one_at_a_time(
+        &self,
+        steps: &Combiner<Step, Done>,
+        mut taken_over: Vec<(Record, Started)>,
+        deadline: Instant,
+        mut say_ran: impl FnMut(bool),
+        tally: &mut Tally,
+    ) -> Vec<String> {
+        let mut failed = Vec::new();
+        if taken_over.is_empty() {
+            return failed;
+        }
+        if taken_over[0].1.attempt % 2 == 0 {
+            taken_over.reverse();
+        }
+        tracing::warn!(
+            executions = taken_over.len(),
+            "jobs taken over after their messages came back run one at a time, each recorded before the next"
+        );
+        let last = taken_over.len() - 1;
+        for (i, (record, job)) in taken_over.into_iter().enumerate() {
+            if deadline.saturating_duration_since(Instant::now()) <= self.config.deadline_margin {
+                tracing::warn!(job.id = job.id.0, sqs.message_id = %record.message_id, "no time left to run it; the record will be redelivered");
+                failed.push(record.message_id);
+                say_ran(i == last);
+                continue;
+            }
+            let execution = self.execute(record, job, deadline).await;
+            say_ran(i == last);
+            failed.extend(self.record_outcomes(steps, vec![execution], tally).await);
+        }
+        failed
     }
 
     /// Runs one started job's handler under its timeout.
@@ -487,7 +559,9 @@ fn group_records(records: Vec<SqsMessage>, tally: &mut Tally) -> Vec<Vec<Record>
             groups.push(Vec::new());
             groups.len() - 1
         });
-        groups[position].push(Record { message_id, message });
+        let received =
+            raw.attributes.get(crate::dlq::RECEIVE_COUNT_ATTRIBUTE).and_then(|n| n.parse().ok()).unwrap_or(1);
+        groups[position].push(Record { message_id, message, received });
     }
     groups
 }

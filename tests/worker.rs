@@ -542,6 +542,80 @@ async fn a_worker_killed_mid_job_is_taken_over_by_the_redelivered_message_and_th
     assert_eq!((row.state, row.result), (JobState::Succeeded, Some(json!(2))));
 }
 
+/// A job that ends its worker's process (memory, a crash in native code) takes the batch
+/// with it, outcomes unrecorded. Its batch-mates must not go down with it at every delivery
+/// until SQS gives up on them all: taken over after their messages came back, the executions
+/// run one at a time, each recorded before the next, in an order that turns round with every
+/// attempt. The process's end is the batch's task aborted as the killing job starts.
+#[tokio::test]
+async fn jobs_delivered_with_one_that_kills_the_process_finish_within_two_more_deliveries() {
+    let pool = common::database().await;
+    let (kills, mut killing) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let registry = registry().register("kills", move |_: JobContext, _: serde_json::Value| {
+        let kills = kills.clone();
+        async move {
+            let _ = kills.send(());
+            std::future::pending::<Result<(), rowq::JobError>>().await
+        }
+    });
+    let mut config = common::worker_config();
+    config.job_timeout = Duration::from_secs(5); // a batch has 30 s
+    let worker = Arc::new(Worker::new(pool.clone(), registry, config));
+    let first = common::enqueue(&pool, "noop", json!({})).await;
+    let killer = common::enqueue(&pool, "kills", json!({})).await;
+    let last = common::enqueue(&pool, "noop", json!({})).await;
+    claim_due(&pool, "default", 3, Duration::from_secs(60)).await.unwrap();
+    let states = || async {
+        let mut states = Vec::new();
+        for id in [first, killer, last] {
+            let row = common::job(&pool, id).await;
+            states.push((row.state, row.attempts));
+        }
+        states
+    };
+
+    for received in 1..=3 {
+        let records = [first, killer, last]
+            .iter()
+            .map(|&id| {
+                let mut record = record(&format!("{id}-{received}"), &id.to_string(), message(id, 1));
+                record.attributes.insert("ApproximateReceiveCount".into(), received.to_string());
+                record
+            })
+            .collect();
+        let worker = worker.clone();
+        let batch = tokio::spawn(async move { deliver(&worker, records).await });
+        tokio::time::timeout(Duration::from_secs(10), killing.recv()).await.expect("the killing job runs").unwrap();
+        batch.abort(); // the process ends
+        assert!(batch.await.unwrap_err().is_cancelled());
+        // A job that may wait for the others to run has a lease to the invocation's end, not
+        // its own timeout's.
+        let lease: f64 = sqlx::query_scalar(
+            "SELECT extract(epoch FROM run_deadline - started_at)::float8 FROM rowq.jobs WHERE id = $1",
+        )
+        .bind(killer)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let (least, most) = if received == 1 { (5.0, 7.0) } else { (29.0, 31.0) };
+        assert!((least..most).contains(&lease), "delivery {received}: a lease of {lease} s");
+        // Its visibility timeout is longer than a run deadline: the next delivery takes over.
+        sqlx::query("UPDATE rowq.jobs SET run_deadline = now() - interval '1 second' WHERE state = 'running'")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let expected = match received {
+            // First delivery: the three side by side, nothing recorded.
+            1 => [(JobState::Running, 1), (JobState::Running, 1), (JobState::Running, 1)],
+            // Attempt 2, the order turned round: the last job runs before the one that kills.
+            2 => [(JobState::Running, 2), (JobState::Running, 2), (JobState::Succeeded, 2)],
+            // Attempt 3, in the order given: the first job runs before it.
+            _ => [(JobState::Succeeded, 3), (JobState::Running, 3), (JobState::Succeeded, 2)],
+        };
+        assert_eq!(states().await, expected, "after delivery {received}");
+    }
+}
+
 #[tokio::test]
 async fn a_taken_over_execution_cannot_commit_its_writes() {
     let pool = common::database().await;
