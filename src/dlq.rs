@@ -88,7 +88,7 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
     if let Some(why) = woken
         && let Err(error) = crate::store::wake_schedulers(pool, why).await
     {
-        tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
+        tracing::warn!(error = %error, why, "could not wake the schedulers; they will poll");
     }
     if let Some(target) = metrics {
         crate::metrics::print(&crate::metrics::dead_letters_lines(

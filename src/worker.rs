@@ -617,7 +617,7 @@ pub fn lambda_answer(records: usize, response: SqsBatchResponse) -> Result<SqsBa
     Err(Diagnostic {
         error_type: "rowq::BatchHandedBack".into(),
         error_message: format!(
-            "all {records} records of the batch handed back (the database could not be had, or no time was left); \
+            "every record of the batch ({records}) handed back (the database could not be had, or no time was left); \
              they return to the queue as a partial batch response would return them"
         ),
     })

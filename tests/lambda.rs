@@ -61,10 +61,12 @@ impl RuntimeApi {
         match tokio::time::timeout(Duration::from_secs(60), self.answers.recv()).await {
             Ok(Some(answer)) => answer,
             _ => {
-                function.start_kill().unwrap();
-                let output = std::mem::replace(function, Command::new("true").spawn().unwrap());
-                let output = output.wait_with_output().await.unwrap();
-                panic!("no answer in 60 s; the function said:\n{}", String::from_utf8_lossy(&output.stderr))
+                let _ = function.kill().await;
+                let mut said = String::new();
+                if let Some(mut stderr) = function.stderr.take() {
+                    let _ = stderr.read_to_string(&mut said).await;
+                }
+                panic!("no answer in 60 s; the function said:\n{said}")
             }
         }
     }
@@ -200,7 +202,9 @@ async fn a_lambda_that_hands_back_its_whole_batch_answers_with_a_function_error_
         match api.invoke(&mut function, &whole).await {
             Answer::Error(error) => {
                 assert_eq!(error["errorType"], "rowq::BatchHandedBack", "{binary}: {error}");
-                assert!(error["errorMessage"].as_str().unwrap().starts_with("all 1 records of the batch handed back"));
+                assert!(
+                    error["errorMessage"].as_str().unwrap().starts_with("every record of the batch (1) handed back")
+                );
             }
             other => panic!("{binary}: every record handed back is a function error: {other:?}"),
         }
