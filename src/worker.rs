@@ -320,8 +320,9 @@ impl Worker {
 
     /// Runs executions taken over after their message came back one at a time, each outcome
     /// recorded before the next begins, and says on `say_ran(true)` when the last handler has
-    /// returned. Returns the message ids whose outcome could not be recorded, or that had no
-    /// time left to run.
+    /// returned. Returns the message ids whose outcome could not be recorded, or that were not
+    /// run: no time was left, or an outcome before could not be recorded (the database gone: a
+    /// handler run then would be an attempt whose outcome is lost too).
     ///
     /// The execution before a take-over ended without an outcome: its worker was killed, or
     /// timed out, or a job beside it ended the process (memory, a crash in native code). Run
@@ -351,8 +352,15 @@ impl Worker {
         );
         let last = taken_over.len() - 1;
         for (i, (record, job)) in taken_over.into_iter().enumerate() {
-            if deadline.saturating_duration_since(Instant::now()) <= self.config.deadline_margin {
-                tracing::warn!(job.id = job.id.0, sqs.message_id = %record.message_id, "no time left to run it; the record will be redelivered");
+            let why_not = if !failed.is_empty() {
+                Some("an outcome before it could not be recorded")
+            } else if deadline.saturating_duration_since(Instant::now()) <= self.config.deadline_margin {
+                Some("no time left to run it")
+            } else {
+                None
+            };
+            if let Some(why_not) = why_not {
+                tracing::warn!(job.id = job.id.0, sqs.message_id = %record.message_id, "{why_not}; the record will be redelivered");
                 failed.push(record.message_id);
                 say_ran(i == last);
                 continue;

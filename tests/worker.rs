@@ -616,6 +616,58 @@ async fn jobs_delivered_with_one_that_kills_the_process_finish_within_two_more_d
     }
 }
 
+/// One at a time, once an outcome cannot be recorded (the database gone), the rest of the
+/// taken-over jobs are handed back unrun: each run would be an attempt whose outcome is lost too.
+#[tokio::test]
+async fn taken_over_jobs_after_one_whose_outcome_was_lost_are_handed_back_unrun() {
+    use sqlx::ConnectOptions;
+    let pool = common::database().await;
+    let options = pool.connect_options();
+    let (proxy, outage) =
+        common::cuttable_proxy(format!("{}:{}", options.get_host(), options.get_port())).await.unwrap();
+    let mut config = common::worker_config();
+    config.database.url = (*options).clone().port(proxy.port()).to_url_lossy().to_string();
+    let through_proxy = rowq::store::connect_lazy(&config.database).unwrap();
+    let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = ran.clone();
+    let registry = registry()
+        .register("cuts", move |_: JobContext, _: serde_json::Value| {
+            outage.send_replace(true); // the database goes away while it runs
+            async { Ok(()) }
+        })
+        .register("counts", move |_: JobContext, _: serde_json::Value| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Ok(()) }
+        });
+    let worker = Worker::new(through_proxy, registry, config);
+    let ids = [
+        common::enqueue(&pool, "counts", json!({})).await,
+        common::enqueue(&pool, "counts", json!({})).await,
+        common::enqueue(&pool, "cuts", json!({})).await,
+    ];
+    claim_due(&pool, "default", 3, Duration::from_secs(60)).await.unwrap();
+    let requests: Vec<StartRequest> =
+        ids.iter().map(|&id| StartRequest { id, dispatch_gen: 1, lease: Duration::from_secs(60) }).collect();
+    assert_eq!(start(&pool, &requests).await.unwrap().len(), 3);
+    sqlx::query("UPDATE rowq.jobs SET run_deadline = now() - interval '1 second'").execute(&pool).await.unwrap();
+
+    // Delivered again (their worker died): attempt 2, so the one that cuts runs first.
+    let records = ids
+        .iter()
+        .map(|&id| {
+            let mut record = record(&id.to_string(), &id.to_string(), message(id, 1));
+            record.attributes.insert("ApproximateReceiveCount".into(), "2".into());
+            record
+        })
+        .collect();
+    let mut failed = deliver(&worker, records).await;
+    failed.sort();
+    let mut every = ids.map(|id| id.to_string()).to_vec();
+    every.sort();
+    assert_eq!(failed, every, "all three handed back");
+    assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 0, "no handler ran after the lost outcome");
+}
+
 #[tokio::test]
 async fn a_taken_over_execution_cannot_commit_its_writes() {
     let pool = common::database().await;
