@@ -1137,12 +1137,8 @@ async fn a_wait_ends_with_the_job_and_its_exit_code_says_how_it_ended() {
 /// One before the job was first read ends it at once.
 #[tokio::test]
 async fn a_wait_outlasts_an_outage_of_the_database_and_ends_with_the_jobs_outcome() {
-    use sqlx::ConnectOptions;
     let pool = common::database().await;
-    let options = pool.connect_options();
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let (proxy, outage) = common::cuttable_proxy(upstream).await.unwrap();
-    let url = (*options).clone().port(proxy.port()).to_url_lossy().to_string();
+    let (url, outage) = common::database_behind_a_proxy(&pool).await;
     let wait = |id: rowq::JobId, timeout: &str| {
         let mut rowq = command(env!("CARGO_BIN_EXE_rowq"), &pool);
         rowq.args(["--database-url", &url, "wait", &id.to_string(), "--timeout", timeout]);
@@ -1184,9 +1180,8 @@ async fn a_wait_outlasts_an_outage_of_the_database_and_ends_with_the_jobs_outcom
     // Before the job is first read, nothing says it is there to wait for: a database that
     // cannot be reached ends the wait at once, even one without a timeout.
     outage.send_replace(true);
-    let nowhere = sqlx::postgres::PgPoolOptions::new()
-        .acquire_timeout(Duration::from_secs(3))
-        .connect_lazy_with((*options).clone().port(proxy.port()));
+    let nowhere =
+        sqlx::postgres::PgPoolOptions::new().acquire_timeout(Duration::from_secs(3)).connect_lazy(&url).unwrap();
     let waited =
         tokio::time::timeout(Duration::from_secs(20), rowq::store::admin::wait_finished(&nowhere, id, None, |_| {}))
             .await;

@@ -176,12 +176,8 @@ fn failures(ids: &[&str]) -> Value {
 /// database back, the same batch runs.
 #[tokio::test]
 async fn a_lambda_that_hands_back_its_whole_batch_answers_with_a_function_error_so_lambda_backs_off() {
-    use sqlx::ConnectOptions;
     let pool = common::database().await;
-    let options = pool.connect_options();
-    let (proxy, outage) =
-        common::cuttable_proxy(format!("{}:{}", options.get_host(), options.get_port())).await.unwrap();
-    let url = (*options).clone().port(proxy.port()).to_url_lossy().to_string();
+    let (url, outage) = common::database_behind_a_proxy(&pool).await;
     for (binary, ends) in
         [(env!("CARGO_BIN_EXE_worker"), JobState::Succeeded), (env!("CARGO_BIN_EXE_dlq-handler"), JobState::Failed)]
     {

@@ -620,13 +620,10 @@ async fn jobs_delivered_with_one_that_kills_the_process_finish_within_two_more_d
 /// taken-over jobs are handed back unrun: each run would be an attempt whose outcome is lost too.
 #[tokio::test]
 async fn taken_over_jobs_after_one_whose_outcome_was_lost_are_handed_back_unrun() {
-    use sqlx::ConnectOptions;
     let pool = common::database().await;
-    let options = pool.connect_options();
-    let (proxy, outage) =
-        common::cuttable_proxy(format!("{}:{}", options.get_host(), options.get_port())).await.unwrap();
+    let (url, outage) = common::database_behind_a_proxy(&pool).await;
     let mut config = common::worker_config();
-    config.database.url = (*options).clone().port(proxy.port()).to_url_lossy().to_string();
+    config.database.url = url;
     let through_proxy = rowq::store::connect_lazy(&config.database).unwrap();
     let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = ran.clone();

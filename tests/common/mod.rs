@@ -448,6 +448,16 @@ pub async fn create_effects(pool: &PgPool) {
         .unwrap();
 }
 
+/// The URL of `pool`'s database through a [`cuttable_proxy`], and the proxy's switch: a
+/// database that goes away at the test's command.
+pub async fn database_behind_a_proxy(pool: &PgPool) -> (String, std::sync::Arc<tokio::sync::watch::Sender<bool>>) {
+    use sqlx::ConnectOptions;
+    let options = pool.connect_options();
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let (proxy, outage) = cuttable_proxy(upstream).await.expect("a proxy in front of the database");
+    ((*options).clone().port(proxy.port()).to_url_lossy().to_string(), outage)
+}
+
 /// A TCP proxy in front of `upstream` (`host:port`); sending `true` on the returned channel makes
 /// it unreachable (open connections are cut, new ones refused) until `false`: an outage of
 /// LocalStack, or of Postgres, at the tests' command.
