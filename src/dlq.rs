@@ -28,10 +28,10 @@ pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
 /// or a failed job of a group (its next one may go), wakes the schedulers, as the worker does. With
 /// `metrics`, the batch ends with a line per kind of how many jobs it failed
 /// ([`crate::metrics::dead_letters_lines`]): the poison jobs, by kind, which the worker never
-/// finished and so never counted.
+/// finished and so never counted; and one of how many it sent back, if any.
 pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&MetricsTarget>) -> SqsBatchResponse {
     let mut failed = Vec::new();
-    let (mut group_moved, mut dispatched_again) = (false, false);
+    let (mut group_moved, mut sent_back) = (false, 0u32);
     let mut by_kind: Vec<KindCount> = Vec::new();
     let (mut unavailable, mut untried) = (false, 0usize);
     for record in event.records {
@@ -51,7 +51,7 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
         let dead_letter = || run::dead_letter(pool, message.job_id, message.dispatch_gen, &reason);
         match crate::secret::once_more_if_rotated(dead_letter).await {
             Ok(Some(dead)) if dead.to != JobState::Failed => {
-                dispatched_again = true;
+                sent_back += 1;
                 tracing::warn!(
                     job.id = message.job_id.0, job.dispatch_gen = message.dispatch_gen, sqs.message_id = %message_id,
                     job.from = dead.from.as_str(), job.to = dead.to.as_str(), error = %reason,
@@ -84,7 +84,7 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
     if untried > 0 {
         tracing::warn!(records = untried, "the rest of the batch handed back untried: the database cannot be reached");
     }
-    let woken = if dispatched_again { Some("rescued") } else { group_moved.then_some("group") };
+    let woken = if sent_back > 0 { Some("rescued") } else { group_moved.then_some("group") };
     if let Some(why) = woken
         && let Err(error) = crate::store::wake_schedulers(pool, why).await
     {
@@ -95,6 +95,7 @@ pub async fn handle_batch(pool: &PgPool, event: SqsEvent, metrics: Option<&Metri
             &target.namespace,
             &target.queue,
             &by_kind,
+            sent_back,
             SystemTime::now(),
         ));
     }

@@ -51,6 +51,10 @@ pub const MESSAGES: [(&str, &str); 3] =
 /// marked `failed` because SQS gave up on their message.
 pub const DEAD_LETTERS: [(&str, &str); 1] = [("JobsDeadLettered", "Count")];
 
+/// The DLQ handler's count of the jobs it sent back to be dispatched again, by `Queue`: their
+/// message was dead-lettered before any worker started them ([`crate::store::run::dead_letter`]).
+pub const SENT_BACK: [(&str, &str); 1] = [("JobsSentBack", "Count")];
+
 /// The dimension sets of a kind's line: each value counts by queue and kind, and by queue.
 pub const KIND_DIMENSIONS: [&[&str]; 2] = [&["Queue"], &["Queue", "Kind"]];
 
@@ -226,13 +230,24 @@ pub fn outcomes_lines(namespace: &str, queue: &str, tally: &Tally, at: SystemTim
     lines
 }
 
-/// The DLQ handler's lines of one batch: how many jobs of each kind it marked `failed`.
-pub fn dead_letters_lines(namespace: &str, queue: &str, by_kind: &[KindCount], at: SystemTime) -> Vec<String> {
+/// The DLQ handler's lines of one batch: how many jobs of each kind it marked `failed`, and, when
+/// it sent any back to be dispatched again, how many.
+pub fn dead_letters_lines(
+    namespace: &str,
+    queue: &str,
+    by_kind: &[KindCount],
+    sent_back: u32,
+    at: SystemTime,
+) -> Vec<String> {
     let line_of = |counted: &KindCount| {
         let dimensions = [("Queue", queue), ("Kind", counted.kind.as_str())];
         line(namespace, at, &dimensions, &KIND_DIMENSIONS, &DEAD_LETTERS, vec![json!(counted.count)])
     };
-    by_kind.iter().map(line_of).collect()
+    let mut lines: Vec<String> = by_kind.iter().map(line_of).collect();
+    if sent_back > 0 {
+        lines.push(line(namespace, at, &[("Queue", queue)], &[&["Queue"]], &SENT_BACK, vec![json!(sent_back)]));
+    }
+    lines
 }
 
 /// Writes `lines`, each followed by a newline, to stdout in one call, so that no other output
@@ -364,13 +379,21 @@ mod tests {
     fn a_dead_letters_line_counts_one_kind_by_queue_and_by_kind() {
         let counted = |kind: &str, count| KindCount { kind: kind.to_string(), count };
         let by_kind = [counted("resize", 2), counted("email", 1)];
-        let lines = dead_letters_lines("rowq/prod", "emails", &by_kind, UNIX_EPOCH + AT);
+        let lines = dead_letters_lines("rowq/prod", "emails", &by_kind, 0, UNIX_EPOCH + AT);
         assert_eq!(lines.len(), 2, "{lines:?}");
         let sets = json!([["Queue"], ["Queue", "Kind"]]);
         for (text, counted) in lines.iter().zip(&by_kind) {
             let line = checked(text, sets.clone(), &[("Queue", "emails"), ("Kind", &counted.kind)], &DEAD_LETTERS);
             assert_eq!(line["JobsDeadLettered"], counted.count, "{line}");
         }
+    }
+
+    #[test]
+    fn jobs_the_dlq_handler_sent_back_are_counted_by_queue_on_a_line_of_their_own() {
+        let lines = dead_letters_lines("rowq/prod", "emails", &[], 3, UNIX_EPOCH + AT);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let line = checked(&lines[0], json!([["Queue"]]), &[("Queue", "emails")], &SENT_BACK);
+        assert_eq!(line["JobsSentBack"], 3, "{line}");
     }
 
     /// EMF takes at most 100 values of a metric in a line: a kind's further durations and waits

@@ -393,17 +393,19 @@ async fn a_worker_prints_what_each_batch_did_by_kind_as_cloudwatch_metrics_on_st
     }
 }
 
-/// The DLQ handler, given the same namespace, prints how many jobs of each kind it failed: `rowq
-/// work` serves the DLQ too, and a message there for a job a worker started fails it.
+/// The DLQ handler, given the same namespace, prints how many jobs of each kind it failed, and
+/// how many it sent back: `rowq work` serves the DLQ too, and a message there for a job a worker
+/// started fails it, one for a job no worker started sends it back to be dispatched again.
 #[tokio::test]
 async fn the_dlq_handler_prints_the_jobs_it_failed_by_kind_as_cloudwatch_metrics_on_stdout() {
     let pool = common::database().await;
     let client = common::sqs().await;
     let queues = common::queues(&client, 5, Duration::from_secs(30)).await;
     let id = dispatched(&pool, "resize_image").await;
+    let unstarted = dispatched(&pool, "resize_image").await;
     let started = rowq::store::run::StartRequest { id, dispatch_gen: 1, lease: Duration::from_secs(60) };
     assert_eq!(rowq::store::run::start(&pool, &[started]).await.unwrap().len(), 1);
-    assert_eq!(common::send_job_messages(&client, &queues.dlq_url, &[(id, 1)], "dead").await, Ok(1));
+    assert_eq!(common::send_job_messages(&client, &queues.dlq_url, &[(id, 1), (unstarted, 1)], "dead").await, Ok(2));
 
     let worker = work_reporting_metrics(&pool, &queues.queue_url, &[("ROWQ_DLQ_URL", &queues.dlq_url)]);
     let started = std::time::Instant::now();
@@ -419,10 +421,15 @@ async fn the_dlq_handler_prints_the_jobs_it_failed_by_kind_as_cloudwatch_metrics
     worker.kill().expect("stop rowq work");
     let output = worker.wait_with_output().expect("rowq work's output");
     assert_eq!(common::job(&pool, id).await.state, rowq::JobState::Failed, "{}", stderr(&output));
+    assert_eq!(common::job(&pool, unstarted).await.state, rowq::JobState::Pending, "{}", stderr(&output));
 
     let lines = json_lines(&output);
-    assert_eq!(lines.len(), 1, "one line for the one kind: {lines:?}");
-    let line = &lines[0];
+    let (failed, sent_back): (Vec<&Value>, Vec<&Value>) = lines.iter().partition(|line| line["Kind"].is_string());
+    assert_eq!(failed.len(), 1, "one line for the one kind: {lines:?}");
+    let sent_back: Vec<&Value> = sent_back.into_iter().filter(|line| line["JobsSentBack"].is_number()).collect();
+    assert_eq!(sent_back.len(), 1, "one line of jobs sent back: {lines:?}");
+    assert_eq!((&sent_back[0]["Queue"], &sent_back[0]["JobsSentBack"]), (&json!("emails"), &json!(1)));
+    let line = failed[0];
     assert_eq!(
         (&line["Queue"], &line["Kind"], &line["JobsDeadLettered"]),
         (&json!("emails"), &json!("resize_image"), &json!(1))

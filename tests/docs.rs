@@ -96,7 +96,7 @@ fn the_readme_documents_every_setting_the_code_reads() {
 /// Every metric the scheduler and the worker print.
 fn printed_metrics() -> Vec<&'static str> {
     let all = rowq::metrics::GAUGES.iter().chain(&rowq::metrics::EXECUTIONS).chain(&rowq::metrics::MESSAGES);
-    let all = all.chain(&rowq::metrics::DEAD_LETTERS);
+    let all = all.chain(&rowq::metrics::DEAD_LETTERS).chain(&rowq::metrics::SENT_BACK);
     all.map(|(name, _)| *name).collect()
 }
 
