@@ -30,7 +30,7 @@ use tokio::sync::oneshot;
 use crate::combine::{self, Combiner};
 use crate::config::WorkerConfig;
 use crate::handlers::{JobContext, Registry, catching_panics};
-use crate::job::{JobError, JobId, JobMessage};
+use crate::job::{JobError, JobId, JobMessage, JobState};
 use crate::metrics::{Tally, UNREGISTERED_KIND};
 use crate::store::kept::{self, KeptConnections};
 use crate::store::run::{self, Done, Finish, Finished, Outcome, StartRequest, Started, Step};
@@ -82,10 +82,9 @@ struct Record {
 }
 
 impl Record {
-    /// Whether `job`, started for this record, is a take-over after its message came back: the
-    /// execution before it ended without an outcome, and may have ended its process with it.
-    fn taken_over(&self, job: &Started) -> bool {
-        self.received > 1 && job.attempt > 1
+    /// The job and generation its message names.
+    fn job(&self) -> (JobId, i64) {
+        (self.message.job_id, self.message.dispatch_gen)
     }
 }
 
@@ -243,68 +242,52 @@ impl Worker {
         mut ran: Option<oneshot::Sender<()>>,
         tally: &mut Tally,
     ) -> Vec<usize> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let remaining = left.saturating_sub(self.config.deadline_margin);
-        if remaining.is_zero() {
-            tracing::warn!(
-                records = round.len(),
-                left_ms = left.as_millis() as u64,
-                margin_ms = self.config.deadline_margin.as_millis() as u64,
-                "no time left in this invocation; records will be redelivered"
-            );
-            return round.iter().map(|(g, _)| *g).collect();
-        }
-        let longest =
-            self.registry.longest_timeout().map_or(self.config.job_timeout, |t| t.max(self.config.job_timeout));
-        let lease = longest.min(remaining) + self.config.rescue_grace;
-        // A record delivered before may be a take-over, run after the others
-        // ([`Self::run_one_at_a_time`]): its lease lasts as long as the invocation may.
-        let lease_after_others = remaining + self.config.rescue_grace;
-        let requests: Vec<StartRequest> = round
+        let every_group = || round.iter().map(|(g, _)| *g).collect();
+        let Some(lease) = self.lease_within(deadline, round.len()) else {
+            return every_group();
+        };
+        // Records delivered before whose jobs are `running`: take-overs, run one at a time
+        // after the others ([`Self::run_one_at_a_time`]).
+        let redelivered: Vec<(JobId, i64)> =
+            round.iter().filter(|(_, r)| r.received > 1).map(|(_, r)| r.job()).collect();
+        let read = || run::running_of(&self.pool, &redelivered);
+        let running = match crate::secret::once_more_if_rotated(read).await {
+            Ok(running) => running,
+            Err(error) => {
+                crate::secret::note(&error);
+                tracing::error!(error = %error, records = round.len(), "could not read the jobs of redelivered records: database unavailable; records will be redelivered");
+                return every_group();
+            }
+        };
+        let (later, now): (Vec<_>, Vec<_>) = round.iter().partition(|(_, r)| running.contains(&r.job()));
+        let requests: Vec<StartRequest> = now
             .iter()
-            .map(|(_, r)| StartRequest {
-                id: r.message.job_id,
-                dispatch_gen: r.message.dispatch_gen,
-                lease: if r.received > 1 { lease_after_others } else { lease },
-            })
+            .map(|(_, r)| StartRequest { id: r.message.job_id, dispatch_gen: r.message.dispatch_gen, lease })
             .collect();
         let started = match steps.call(requests.into_iter().map(Step::Start).collect()).await {
             Ok(done) => done.into_iter().filter_map(Done::started),
             Err(error) => {
                 crate::secret::note(&error);
                 tracing::error!(error = %error, records = round.len(), "could not start jobs: database unavailable; records will be redelivered");
-                return round.iter().map(|(g, _)| *g).collect();
+                return every_group();
             }
         };
         let mut by_job: HashMap<(JobId, i64), Started> =
             started.into_iter().map(|job| ((job.id, job.dispatch_gen), job)).collect();
         let mut group_of: HashMap<String, usize> = HashMap::new();
         let mut runs = Vec::new();
-        let mut taken_over = Vec::new();
-        for (g, record) in round {
-            match by_job.remove(&(record.message.job_id, record.message.dispatch_gen)) {
+        for (g, record) in &now {
+            group_of.insert(record.message_id.clone(), *g);
+            match by_job.remove(&record.job()) {
                 Some(job) => {
-                    tracing::info!(
-                        job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt,
-                        job.dispatch_gen = job.dispatch_gen, sqs.message_id = %record.message_id,
-                        job.from = "dispatched", job.to = "running", "job started"
-                    );
-                    group_of.insert(record.message_id.clone(), *g);
-                    if record.taken_over(&job) {
-                        taken_over.push((record.clone(), job));
-                    } else {
-                        runs.push(self.execute(record.clone(), job, deadline));
-                    }
+                    log_started(&job, record, JobState::Dispatched);
+                    runs.push(self.execute((*record).clone(), job, deadline));
                 }
-                None => {
-                    tally.stale += 1;
-                    tracing::info!(
-                        job.id = record.message.job_id.0, job.dispatch_gen = record.message.dispatch_gen,
-                        sqs.message_id = %record.message_id,
-                        "stale or duplicate message acknowledged: the job is not waiting for this generation"
-                    )
-                }
+                None => log_stale(record, tally),
             }
+        }
+        for (g, record) in &later {
+            group_of.insert(record.message_id.clone(), *g);
         }
         let executions = futures::future::join_all(runs).await;
         let mut say_ran = |last: bool| {
@@ -312,59 +295,93 @@ impl Worker {
                 let _ = ran.send(());
             }
         };
-        say_ran(taken_over.is_empty());
+        say_ran(later.is_empty());
         let mut failed_records = self.record_outcomes(steps, executions, tally).await;
-        failed_records.extend(self.run_one_at_a_time(steps, taken_over, deadline, say_ran, tally).await);
+        let later = later.into_iter().map(|(_, record)| record.clone()).collect();
+        failed_records.extend(self.run_one_at_a_time(steps, later, deadline, say_ran, tally).await);
         failed_records.iter().filter_map(|id| group_of.get(id).copied()).collect()
     }
 
-    /// Runs executions taken over after their message came back one at a time, each outcome
-    /// recorded before the next begins, and says on `say_ran(true)` when the last handler has
-    /// returned. Returns the message ids whose outcome could not be recorded, or that were not
-    /// run: no time was left, or an outcome before could not be recorded (the database gone: a
-    /// handler run then would be an attempt whose outcome is lost too).
+    /// The lease of a fence now: the longest a handler may run, within the time `deadline`
+    /// leaves, plus the rescue grace; `None`, logged, when no time is left for `records`.
+    fn lease_within(&self, deadline: Instant, records: usize) -> Option<Duration> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let remaining = left.saturating_sub(self.config.deadline_margin);
+        if remaining.is_zero() {
+            tracing::warn!(
+                records,
+                left_ms = left.as_millis() as u64,
+                margin_ms = self.config.deadline_margin.as_millis() as u64,
+                "no time left in this invocation; records will be redelivered"
+            );
+            return None;
+        }
+        let longest =
+            self.registry.longest_timeout().map_or(self.config.job_timeout, |t| t.max(self.config.job_timeout));
+        Some(longest.min(remaining) + self.config.rescue_grace)
+    }
+
+    /// Takes over, runs and records the jobs of `taken_over` one at a time, each fenced just
+    /// before it runs and recorded before the next begins, and says on `say_ran(true)` when the
+    /// last handler has returned. Returns the message ids whose outcome could not be recorded,
+    /// or that were not run: no time was left, or an outcome before could not be recorded (the
+    /// database gone: each further fence would fail too, on a database that does not answer
+    /// only after the pool's acquire timeout).
     ///
     /// The execution before a take-over ended without an outcome: its worker was killed, or
     /// timed out, or a job beside it ended the process (memory, a crash in native code). Run
     /// side by side as on first delivery, such a job killed its batch-mates with it at every
     /// delivery, each a further attempt, until SQS gave up on all of them and the DLQ handler
     /// failed them together. One at a time, each one run before it is recorded; and the order
-    /// turns round with every attempt (as given on odd attempts, reversed on even), so that
-    /// within two deliveries of a batch every other job has run before the one that kills.
+    /// turns round with every delivery (as given on odd receive counts, reversed on even), so
+    /// that within two deliveries of a batch every other job has run before the one that kills.
+    /// Fenced one by one, a job the invocation has no time left for spends no attempt.
     async fn run_one_at_a_time(
         &self,
         steps: &Combiner<Step, Done>,
-        mut taken_over: Vec<(Record, Started)>,
+        mut taken_over: Vec<Record>,
         deadline: Instant,
         mut say_ran: impl FnMut(bool),
         tally: &mut Tally,
     ) -> Vec<String> {
         let mut failed = Vec::new();
-        if taken_over.is_empty() {
+        let Some(first) = taken_over.first() else {
             return failed;
-        }
-        if taken_over[0].1.attempt % 2 == 0 {
+        };
+        if first.received % 2 == 0 {
             taken_over.reverse();
         }
         tracing::warn!(
-            executions = taken_over.len(),
-            "jobs taken over after their messages came back run one at a time, each recorded before the next"
+            records = taken_over.len(),
+            "jobs to take over after their messages came back run one at a time, each recorded before the next"
         );
         let last = taken_over.len() - 1;
-        for (i, (record, job)) in taken_over.into_iter().enumerate() {
-            let why_not = if !failed.is_empty() {
-                Some("an outcome before it could not be recorded")
-            } else if deadline.saturating_duration_since(Instant::now()) <= self.config.deadline_margin {
-                Some("no time left to run it")
-            } else {
-                None
-            };
-            if let Some(why_not) = why_not {
-                tracing::warn!(job.id = job.id.0, sqs.message_id = %record.message_id, "{why_not}; the record will be redelivered");
+        for (i, record) in taken_over.into_iter().enumerate() {
+            let lease = if failed.is_empty() { self.lease_within(deadline, 1) } else { None };
+            let Some(lease) = lease else {
+                tracing::warn!(job.id = record.message.job_id.0, sqs.message_id = %record.message_id, "not run: no time left, or the database gone; the record will be redelivered");
                 failed.push(record.message_id);
                 say_ran(i == last);
                 continue;
-            }
+            };
+            let (id, dispatch_gen) = record.job();
+            let fence = StartRequest { id, dispatch_gen, lease };
+            let job = match steps.call(vec![Step::Start(fence)]).await {
+                Ok(done) => done.into_iter().find_map(Done::started),
+                Err(error) => {
+                    crate::secret::note(&error);
+                    tracing::error!(error = %error, sqs.message_id = %record.message_id, "could not start the job: database unavailable; the record will be redelivered");
+                    failed.push(record.message_id);
+                    say_ran(i == last);
+                    continue;
+                }
+            };
+            let Some(job) = job else {
+                log_stale(&record, tally);
+                say_ran(i == last);
+                continue;
+            };
+            log_started(&job, &record, JobState::Running);
             let execution = self.execute(record, job, deadline).await;
             say_ran(i == last);
             failed.extend(self.record_outcomes(steps, vec![execution], tally).await);
@@ -496,6 +513,25 @@ impl Worker {
         }
         failed
     }
+}
+
+/// Logs a job's fence: `from` the state it left.
+fn log_started(job: &Started, record: &Record, from: JobState) {
+    tracing::info!(
+        job.id = job.id.0, job.kind = %job.kind, job.attempt = job.attempt,
+        job.dispatch_gen = job.dispatch_gen, sqs.message_id = %record.message_id,
+        job.from = from.as_str(), job.to = "running", "job started"
+    );
+}
+
+/// Logs and counts a record whose fence matched nothing: it is acknowledged.
+fn log_stale(record: &Record, tally: &mut Tally) {
+    tally.stale += 1;
+    tracing::info!(
+        job.id = record.message.job_id.0, job.dispatch_gen = record.message.dispatch_gen,
+        sqs.message_id = %record.message_id,
+        "stale or duplicate message acknowledged: the job is not waiting for this generation"
+    )
 }
 
 /// The finish that records `outcome` for the execution `job`.

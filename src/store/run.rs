@@ -6,6 +6,7 @@
 //! message started the job again) can no longer finish it, even though the generation is
 //! the same.
 
+use std::collections::HashSet;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -554,6 +555,21 @@ fn replace_nul(value: &mut serde_json::Value) {
         }
         _ => {}
     }
+}
+
+/// Of `jobs` (id and generation), those `running` in that generation: the worker's fence would
+/// take them over (if their run deadline has passed), not start them.
+pub async fn running_of(pool: &PgPool, jobs: &[(JobId, i64)]) -> Result<HashSet<(JobId, i64)>, sqlx::Error> {
+    if jobs.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let ids: Vec<JobId> = jobs.iter().map(|(id, _)| *id).collect();
+    let running: Vec<(JobId, i64)> =
+        sqlx::query_as("SELECT id, dispatch_gen FROM rowq.jobs WHERE id = ANY($1) AND state = 'running'")
+            .bind(&ids)
+            .fetch_all(pool)
+            .await?;
+    Ok(running.into_iter().filter(|job| jobs.contains(job)).collect())
 }
 
 /// A job whose message [`dead_letter`] took: failed, or dispatched again.
