@@ -12,10 +12,8 @@ use crate::config::MetricsTarget;
 use crate::job::JobState;
 use crate::store::admin::KindCount;
 use crate::store::run;
+pub use crate::worker::RECEIVE_COUNT_ATTRIBUTE;
 use crate::worker::{batch_response, decode_record, lambda_answer};
-
-/// The SQS record attribute counting receives.
-pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
 
 /// Handles one batch from the DLQ. Only a database failure reports a record failed (SQS
 /// delivers it again); malformed bodies are acknowledged and logged. A database that cannot

@@ -42,8 +42,9 @@ const RECEIVE_RETRY_DELAY: Duration = Duration::from_secs(1);
 /// and a receive nearer the dead-letter queue, so that when the database came back the jobs
 /// waited for their messages. Paused, a poller holds one batch per pause, and the rest stay
 /// visible for the moment the database answers. (A database that does not answer at all is
-/// paced already: each batch waits for the pool's 10 s before it fails.) Lambda's event source
-/// mapping has no such pause; there the scheduler's lease and rescue cover a long outage.
+/// paced already: each batch waits for the pool's 10 s before it fails.) On Lambda, the worker
+/// answers such a batch with a function error instead, after which Lambda backs off
+/// ([`crate::worker::lambda_answer`]).
 pub const HANDED_BACK_PAUSE_FIRST: Duration = Duration::from_secs(1);
 /// The longest pause after batches handed back whole ([`HANDED_BACK_PAUSE_FIRST`]).
 pub const HANDED_BACK_PAUSE_MOST: Duration = Duration::from_secs(20);
@@ -265,7 +266,7 @@ impl EventSource {
                 messages.len()
             )
         });
-        let whole = done.is_empty();
+        let whole = crate::worker::hands_back_all(messages.len(), &response);
         self.health.record_by(poller, "batch", handed_back);
         whole
     }

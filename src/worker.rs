@@ -38,6 +38,9 @@ use crate::store::run::{self, Done, Finish, Finished, Outcome, StartRequest, Sta
 /// The SQS record attribute that names the FIFO message group.
 pub const GROUP_ATTRIBUTE: &str = "MessageGroupId";
 
+/// The SQS record attribute counting receives.
+pub const RECEIVE_COUNT_ATTRIBUTE: &str = "ApproximateReceiveCount";
+
 /// How many chains of combined statements one worker runs side by side: a batch's fences and
 /// finishes go to the combiner of its poller's lane (`poller % LANES`). The lanes share the
 /// worker's kept connections.
@@ -85,6 +88,11 @@ impl Record {
     /// The job and generation its message names.
     fn job(&self) -> (JobId, i64) {
         (self.message.job_id, self.message.dispatch_gen)
+    }
+
+    /// The fence of the job its message names, leased for `lease`.
+    fn fence(&self, lease: Duration) -> Step {
+        Step::Start(StartRequest { id: self.message.job_id, dispatch_gen: self.message.dispatch_gen, lease })
     }
 }
 
@@ -260,11 +268,7 @@ impl Worker {
             }
         };
         let (later, now): (Vec<_>, Vec<_>) = round.iter().partition(|(_, r)| running.contains(&r.job()));
-        let requests: Vec<StartRequest> = now
-            .iter()
-            .map(|(_, r)| StartRequest { id: r.message.job_id, dispatch_gen: r.message.dispatch_gen, lease })
-            .collect();
-        let started = match steps.call(requests.into_iter().map(Step::Start).collect()).await {
+        let started = match steps.call(now.iter().map(|(_, r)| r.fence(lease)).collect()).await {
             Ok(done) => done.into_iter().filter_map(Done::started),
             Err(error) => {
                 crate::secret::note(&error);
@@ -364,9 +368,7 @@ impl Worker {
                 say_ran(i == last);
                 continue;
             };
-            let (id, dispatch_gen) = record.job();
-            let fence = StartRequest { id, dispatch_gen, lease };
-            let job = match steps.call(vec![Step::Start(fence)]).await {
+            let job = match steps.call(vec![record.fence(lease)]).await {
                 Ok(done) => done.into_iter().find_map(Done::started),
                 Err(error) => {
                     crate::secret::note(&error);
@@ -603,8 +605,7 @@ fn group_records(records: Vec<SqsMessage>, tally: &mut Tally) -> Vec<Vec<Record>
             groups.push(Vec::new());
             groups.len() - 1
         });
-        let received =
-            raw.attributes.get(crate::dlq::RECEIVE_COUNT_ATTRIBUTE).and_then(|n| n.parse().ok()).unwrap_or(1);
+        let received = raw.attributes.get(RECEIVE_COUNT_ATTRIBUTE).and_then(|n| n.parse().ok()).unwrap_or(1);
         groups[position].push(Record { message_id, message, received });
     }
     groups
@@ -640,6 +641,13 @@ pub fn batch_response(failed: Vec<String>) -> SqsBatchResponse {
     response
 }
 
+/// Whether `response` hands back every record of a batch of `records` (none acknowledged): what
+/// a Lambda answers with a function error ([`lambda_answer`]) and a poller of the local event
+/// source pauses after ([`crate::event_source`]).
+pub fn hands_back_all(records: usize, response: &SqsBatchResponse) -> bool {
+    records > 0 && response.batch_item_failures.len() >= records
+}
+
 /// What a Lambda on the SQS event source answers for a batch of `records` records: its
 /// partial batch response, or a function error when that response hands back every record.
 ///
@@ -653,8 +661,7 @@ pub fn batch_response(failed: Vec<String>) -> SqsBatchResponse {
 /// invocation opened connections to a database trying to recover. (The local event source's
 /// pollers pause instead: [`crate::event_source`].)
 pub fn lambda_answer(records: usize, response: SqsBatchResponse) -> Result<SqsBatchResponse, Diagnostic> {
-    let handed_back = response.batch_item_failures.len();
-    if records == 0 || handed_back < records {
+    if !hands_back_all(records, &response) {
         return Ok(response);
     }
     tracing::warn!(records, "every record handed back: answering with a function error so that Lambda backs off");

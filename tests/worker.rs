@@ -44,6 +44,18 @@ fn record(message_id: &str, group: &str, body: String) -> SqsMessage {
     record
 }
 
+/// `record` as SQS delivers it the `receives`th time.
+fn received(mut record: SqsMessage, receives: u32) -> SqsMessage {
+    record.attributes.insert(rowq::worker::RECEIVE_COUNT_ATTRIBUTE.into(), receives.to_string());
+    record
+}
+
+/// The records of generation 1 of `jobs`, each in a group of its own, delivered the
+/// `receives`th time.
+fn delivered(jobs: &[JobId], receives: u32) -> Vec<SqsMessage> {
+    jobs.iter().map(|&id| received(record(&id.to_string(), &id.to_string(), message(id, 1)), receives)).collect()
+}
+
 /// The records SQS would deliver for the messages a scheduler sent.
 fn records_of(sent: &[rowq::sqs::Outgoing]) -> Vec<SqsMessage> {
     sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect()
@@ -347,8 +359,7 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
     run(format!("ALTER ROLE {old} LOGIN")).await.unwrap();
     run(format!("ALTER ROLE {new} NOLOGIN")).await.unwrap();
     retire_connections(&worker_pool).await;
-    let mut dead_letters = event(records_of(&dead));
-    dead_letters.records[0].attributes.insert("ApproximateReceiveCount".into(), "5".into());
+    let dead_letters = event(records_of(&dead).into_iter().map(|record| received(record, 5)).collect());
     let response = rowq::dlq::handle_batch(&worker_pool, dead_letters, None).await;
     assert!(response.batch_item_failures.is_empty(), "the dead letter met the refused login and was handed back");
     assert_eq!(common::job(&pool, poison).await.state, JobState::Failed);
@@ -573,14 +584,7 @@ async fn jobs_delivered_with_one_that_kills_the_process_finish_within_two_more_d
     };
 
     for received in 1..=3 {
-        let records = [first, killer, last]
-            .iter()
-            .map(|&id| {
-                let mut record = record(&format!("{id}-{received}"), &id.to_string(), message(id, 1));
-                record.attributes.insert("ApproximateReceiveCount".into(), received.to_string());
-                record
-            })
-            .collect();
+        let records = delivered(&[first, killer, last], received);
         let worker = worker.clone();
         let batch = tokio::spawn(async move { deliver(&worker, records).await });
         tokio::time::timeout(Duration::from_secs(10), killing.recv()).await.expect("the killing job runs").unwrap();
@@ -638,15 +642,7 @@ async fn taken_over_jobs_after_one_whose_outcome_was_lost_are_handed_back_unrun(
 
     // Delivered again (their worker died), a second time: the order turned round, so the one
     // that cuts runs first.
-    let records = ids
-        .iter()
-        .map(|&id| {
-            let mut record = record(&id.to_string(), &id.to_string(), message(id, 1));
-            record.attributes.insert("ApproximateReceiveCount".into(), "2".into());
-            record
-        })
-        .collect();
-    let mut failed = deliver(&worker, records).await;
+    let mut failed = deliver(&worker, delivered(&ids, 2)).await;
     failed.sort();
     let mut every = ids.map(|id| id.to_string()).to_vec();
     every.sort();
