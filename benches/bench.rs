@@ -6,7 +6,7 @@
 //! (1000), BENCH_RATE (inserts per second for latency, 100), BENCH_PAIRS (how many times each
 //! paired workload runs alternating with its floor: [`PAIRED`]), BENCH_ONLY (comma-separated
 //! workloads: enqueue, sql-floor, dispatch-memory, drain-memory, drain-memory-results,
-//! latency-floor, latency-memory, raw-localstack, dispatch-localstack, drain-localstack,
+//! group-backlog, latency-floor, latency-memory, raw-localstack, dispatch-localstack, drain-localstack,
 //! latency-localstack; default all), BENCH_HOLD (1: a transaction stays open all run, so no row
 //! version left by any workload can be cleaned up meanwhile: `common::open_transaction`),
 //! BENCH_LOCALSTACK_PAIR_S (a LocalStack pair slower than this is not run again:
@@ -54,6 +54,7 @@ enum Solo {
     DispatchMemory,
     DrainMemory,
     DrainMemoryResults,
+    GroupBacklog,
     RawLocalStack,
     DispatchLocalStack,
     DrainLocalStack,
@@ -68,12 +69,13 @@ enum Side {
 }
 
 /// Every workload by its name (`BENCH_ONLY`), in the order a full run takes them.
-const WORKLOADS: [(&str, Workload); 11] = [
+const WORKLOADS: [(&str, Workload); 12] = [
     ("enqueue", Workload::Alone(Solo::Enqueue)),
     ("sql-floor", Workload::Alone(Solo::SqlFloor)),
     ("dispatch-memory", Workload::Alone(Solo::DispatchMemory)),
     ("drain-memory", Workload::Alone(Solo::DrainMemory)),
     ("drain-memory-results", Workload::Alone(Solo::DrainMemoryResults)),
+    ("group-backlog", Workload::Alone(Solo::GroupBacklog)),
     ("latency-floor", Workload::Pickup(Side::Floor)),
     ("latency-memory", Workload::Pickup(Side::Memory)),
     ("raw-localstack", Workload::Alone(Solo::RawLocalStack)),
@@ -360,6 +362,7 @@ async fn solo_run(solo: Solo, settings: &Settings) -> Result<Value, Error> {
         Solo::DispatchMemory => dispatch_memory(settings).await,
         Solo::DrainMemory => drain_memory(settings, 0).await,
         Solo::DrainMemoryResults => drain_memory(settings, RESULT_BYTES).await,
+        Solo::GroupBacklog => group_backlog(settings).await,
         Solo::RawLocalStack => raw_localstack(settings).await,
         Solo::DispatchLocalStack => dispatch_localstack(settings).await,
         Solo::DrainLocalStack => drain_localstack(settings).await,
@@ -883,6 +886,110 @@ async fn dispatch_memory(settings: &Settings) -> Result<Value, Error> {
     Ok(json!({
         "workload": "dispatch", "transport": "memory", "rows_per_s": throughput, "published": totals.published,
         "client_allocations_per_row": allocations, "client_allocated_bytes_per_row": allocated_bytes,
+    }))
+}
+
+/// The claim of rowq before its claims set jobs aside behind their group (docs/DESIGN.md, 36):
+/// it tested every job of a group's backlog at every claim. Timed by [`group_backlog`] on the
+/// same table, in a transaction rolled back, for the figure it replaced.
+const CLAIM_TESTING_EVERY_JOB_SQL: &str = r#"
+    WITH in_flight AS (
+        SELECT count(*) AS n, EXISTS (SELECT FROM rowq.paused_queues WHERE queue = $1) AS paused
+        FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
+    ),
+    due AS (
+        SELECT j.id FROM rowq.jobs j
+        WHERE j.state = 'pending' AND j.queue = $1 AND j.run_at <= now()
+          AND (j.group_key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM rowq.jobs earlier
+                WHERE earlier.group_key = j.group_key AND earlier.id < j.id
+                  AND earlier.state IN ('pending', 'dispatched', 'running')))
+        ORDER BY j.priority DESC, j.run_at, j.id
+        LIMIT CASE WHEN (SELECT paused FROM in_flight) THEN 0
+                   ELSE least($2, greatest(0, $3 - (SELECT n FROM in_flight))) END
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE rowq.jobs j SET state = 'dispatched', dispatch_gen = j.dispatch_gen + 1, updated_at = now()
+    WHERE j.id = ANY (ARRAY(SELECT id FROM due))
+    "#;
+
+/// How long `run` takes, in milliseconds.
+async fn timed<T>(run: impl std::future::Future<Output = T>) -> (T, f64) {
+    let started = Instant::now();
+    let out = run.await;
+    (out, started.elapsed().as_secs_f64() * 1000.0)
+}
+
+/// One group's backlog behind its running head (BENCH_N × 10 jobs: 200,000), then 1,000
+/// ungrouped jobs. What one claim costs with the backlog not set aside (the claim before
+/// docs/DESIGN.md, 36, timed in a transaction rolled back), how long the scheduler takes to set
+/// it aside and claim the 1,000 jobs behind it, what a claim of one new job costs then, and
+/// the group's own pace: its running job ended and the next claimed, 100 times.
+async fn group_backlog(settings: &Settings) -> Result<Value, Error> {
+    let (pool, url) = database(settings, "group_backlog").await?;
+    let behind = settings.n * 10;
+    sqlx::query("INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', 'tenant' FROM generate_series(0, $1)")
+        .bind(behind)
+        .execute(&pool)
+        .await?;
+    let running = "UPDATE rowq.jobs SET state = 'running', attempts = 1, dispatch_gen = dispatch_gen + 1,
+                   started_at = now(), run_deadline = now() + interval '1 hour'
+                   WHERE id = (SELECT min(id) FROM rowq.jobs WHERE state = 'pending' AND group_key = 'tenant')";
+    sqlx::query(running).execute(&pool).await?;
+    backlog(&pool, 1000).await?;
+    sqlx::query("VACUUM ANALYZE rowq.jobs").execute(&pool).await?;
+
+    let mut config = scheduler_config(settings, &url, "memory://jobs.fifo");
+    config.max_in_flight = u32::MAX;
+    let before_pool = rowq::store::connect_scheduler(&config.database).await?;
+    let mut before = Vec::new();
+    for _ in 0..3 {
+        let mut tx = before_pool.begin().await?;
+        let claim = sqlx::query(CLAIM_TESTING_EVERY_JOB_SQL).bind("default").bind(500_i64).bind(i64::MAX);
+        let (claimed, ms) = timed(claim.execute(&mut *tx)).await;
+        tx.rollback().await?;
+        if claimed?.rows_affected() != 500 {
+            return Err("the claim of before did not take a batch of the jobs behind the group".into());
+        }
+        before.push(ms);
+    }
+    before_pool.close().await;
+
+    let scheduler = scheduler(config, MemoryPublisher::new()).await?;
+    let (_keep, shutdown) = watch::channel(false);
+    let (totals, set_aside_ms) = timed(scheduler.run(shutdown, true)).await;
+    if totals.published != 1000 {
+        return Err(format!("the scheduler sent {} jobs, not the 1,000 behind the group", totals.published).into());
+    }
+    let mut after = Vec::new();
+    for _ in 0..20 {
+        backlog(&pool, 1).await?;
+        let (report, ms) = timed(scheduler.run_once()).await;
+        if report?.published != 1 {
+            return Err("a claim behind the set-aside backlog did not take the new job".into());
+        }
+        after.push(ms);
+    }
+    let mut steps = Vec::new();
+    for _ in 0..100 {
+        sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE group_key = 'tenant' AND state IN ('dispatched', 'running')")
+            .execute(&pool)
+            .await?;
+        let (report, ms) = timed(scheduler.run_once()).await;
+        if report?.published != 1 {
+            return Err("the group's next job was not claimed once the one before it ended".into());
+        }
+        steps.push(ms);
+    }
+    scheduler.publisher().take();
+    drop_database(pool, &url).await;
+    let median = |ms: &mut [f64]| percentiles(ms).0;
+    Ok(json!({
+        "workload": "group-backlog", "behind": behind,
+        "claim_before_ms": rounded(median(&mut before), 1),
+        "set_aside_s": rounded(set_aside_ms / 1000.0, 2),
+        "claim_after_ms": rounded(median(&mut after), 2),
+        "group_step_ms": rounded(median(&mut steps), 2),
     }))
 }
 
@@ -1449,6 +1556,15 @@ fn report(results: &[Value]) {
     line(
         &format!("drain, in-memory, {RESULT_BYTES}-byte results"),
         format!("{:.0} jobs/s", f(&drain_results, "jobs_per_s")),
+    );
+    let group = find(Of("group-backlog", None), "claim_after_ms");
+    line(
+        &format!("claim behind a group's {:.0} jobs, before / now", f(&group, "behind")),
+        format!("{:.1} / {:.2} ms", f(&group, "claim_before_ms"), f(&group, "claim_after_ms")),
+    );
+    line(
+        "group's backlog set aside in; its next job in",
+        format!("{:.2} s; {:.2} ms", f(&group, "set_aside_s"), f(&group, "group_step_ms")),
     );
     line("drain, LocalStack", format!("{:.0} jobs/s", f(&drain_ls, "jobs_per_s")));
     line("raw LocalStack send+receive+delete", format!("{:.0} msg/s", f(&raw, "messages_per_s")));

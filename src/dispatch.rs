@@ -9,6 +9,7 @@
 //! rows that maintenance rescues after their lease; their next claim gets a new generation.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -36,8 +37,12 @@ pub struct DispatchReport {
     pub released: usize,
     /// The in-flight cap left no room for (all of) a full batch.
     pub capped: bool,
-    /// The pass claimed a full batch: more may be due right now.
+    /// The pass's last claim took a full batch, or set jobs aside behind their group: more
+    /// may be due right now.
     pub full: bool,
+    /// Jobs the claims found waiting behind an unfinished earlier job of their group and set
+    /// aside, so that no claim reads them again until they can run (docs/DESIGN.md, 36).
+    pub set_aside: usize,
     /// The first publish error of the pass, if any.
     pub publish_error: Option<String>,
     /// The earliest future `run_at` among pending rows when the claim ran.
@@ -90,6 +95,15 @@ pub struct Scheduler<P> {
     rate: Option<DispatchRate>,
     /// What the loop last did, for the health endpoint ([`crate::health`]).
     health: std::sync::Arc<Health>,
+    /// How many claimable jobs the next claim reads to set aside those behind their group
+    /// ([`store::dispatch::claim_setting_aside`]): four times wider after a claim that found
+    /// half of its window or more to set aside, and the least after any other.
+    set_aside_window: AtomicU32,
+    /// The next claim only sets aside (its claim `LIMIT 0`): the last one found half of its
+    /// window or more to set aside, the front of a group's backlog not yet set aside. A claim
+    /// reads past every such job it does not set aside, so claiming beside the setting aside
+    /// would read the rest of the backlog again at every step (docs/DESIGN.md, 36).
+    set_aside_only: AtomicBool,
 }
 
 /// A token bucket of claimed rows for `ROWQ_MAX_DISPATCH_RATE`. It holds a tenth of a
@@ -190,6 +204,8 @@ impl<P: Publisher> Scheduler<P> {
             metrics_report: NotBefore::default(),
             rate,
             health,
+            set_aside_window: AtomicU32::new(store::dispatch::SET_ASIDE_WINDOW),
+            set_aside_only: AtomicBool::new(false),
         }
     }
 
@@ -287,13 +303,18 @@ impl<P: Publisher> Scheduler<P> {
         listener: Option<&'l mut PgListener>,
     ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>, u32) {
         let (queue, cap, lease) = (&self.config.queue, self.config.max_in_flight, self.config.dispatch_lease);
-        let batch = self.rate.as_ref().map_or(self.config.claim_batch, |rate| rate.take(self.config.claim_batch));
+        let batch = match self.set_aside_only.load(Ordering::Relaxed) {
+            true => 0,
+            false => self.rate.as_ref().map_or(self.config.claim_batch, |rate| rate.take(self.config.claim_batch)),
+        };
+        let window = self.set_aside_window.load(Ordering::Relaxed);
         let (listener, claim) = match listener {
             Some(listener) => {
-                let claim = store::dispatch::claim_due_within(&mut *listener, queue, batch, cap, lease).await;
+                let claim =
+                    store::dispatch::claim_setting_aside(&mut *listener, queue, batch, cap, lease, window).await;
                 (Some(listener), claim)
             }
-            None => (None, store::dispatch::claim_due_within(&self.pool, queue, batch, cap, lease).await),
+            None => (None, store::dispatch::claim_setting_aside(&self.pool, queue, batch, cap, lease, window).await),
         };
         if let (Some(rate), Err(_)) = (&self.rate, &claim) {
             rate.give_back(batch);
@@ -307,12 +328,29 @@ impl<P: Publisher> Scheduler<P> {
         let cap = self.config.max_in_flight;
         let jobs = claim.jobs;
         report.claimed += jobs.len();
-        report.full = jobs.len() == self.config.claim_batch as usize;
+        // A claim that set jobs aside read no further than them: what is claimable behind them
+        // is for the next claim, at once, as after a full batch.
+        let set_aside = usize::try_from(claim.set_aside).unwrap_or(0);
+        report.set_aside += set_aside;
+        let (window, only) =
+            (self.set_aside_window.load(Ordering::Relaxed), self.set_aside_only.load(Ordering::Relaxed));
+        let widen = set_aside > 0 && set_aside * 2 >= window as usize;
+        let next_window = match widen {
+            true => window.saturating_mul(4).min(store::dispatch::SET_ASIDE_WINDOW_MAX),
+            false => store::dispatch::SET_ASIDE_WINDOW,
+        };
+        self.set_aside_window.store(next_window, Ordering::Relaxed);
+        self.set_aside_only.store(widen, Ordering::Relaxed);
+        // And one that only set aside claimed nothing: a claim follows it at once.
+        report.full = jobs.len() == self.config.claim_batch as usize || set_aside > 0 || only;
+        if set_aside > 0 {
+            tracing::debug!(jobs = set_aside, "jobs set aside behind an unfinished job of their group");
+        }
         let took = u32::try_from(jobs.len()).unwrap_or(u32::MAX);
         if let Some(rate) = &self.rate {
             rate.give_back(allowed.saturating_sub(took));
         }
-        report.rate_limited = allowed < self.config.claim_batch && took == allowed;
+        report.rate_limited = !only && allowed < self.config.claim_batch && took == allowed;
         report.next_due = claim.next_due;
         report.paused = claim.paused;
         // Fewer than a batch: nothing more is due, or the cap held the claim back.

@@ -27,6 +27,9 @@ pub struct MaintenanceReport {
     pub failed: usize,
     /// Finished rows deleted.
     pub pruned: u64,
+    /// Jobs set aside behind their group with nothing left before them, released
+    /// ([`store::release_set_aside`]).
+    pub released: usize,
     /// A rescue or the prune stopped at [`MAX_ROUNDS`] full statements: rows are left for the
     /// next pass. Without it a pass would be a ceiling, 50,000 pruned rows per
     /// `maintenance_interval` (10,000 a second by default), which a busy queue outgrows.
@@ -78,7 +81,8 @@ impl From<Duration> for Retention {
     }
 }
 
-/// One pass: rescue lost dispatches, rescue dead workers' jobs, prune by `retention`. Rows
+/// One pass: rescue lost dispatches, rescue dead workers' jobs, release jobs left set aside
+/// behind their group with nothing before them, prune by `retention`. Rows
 /// rescued to `pending`, and a group's next job once a rescue failed its head, send no
 /// notification of their own, so a rescue that made either wakes the schedulers
 /// ([`crate::store::wake_schedulers`]) as an insert does.
@@ -106,6 +110,16 @@ pub async fn run_once(pool: &PgPool, retention: impl Into<Retention>) -> Result<
         }
         report.more_left |= round == MAX_ROUNDS;
     }
+    let released = store::release_set_aside(pool).await?;
+    for job in &released {
+        tracing::warn!(
+            job.id = job.id.0,
+            job.group_key = job.group_key.as_deref().unwrap_or(""),
+            "job released: it was set aside behind its group with no unfinished job before it"
+        );
+    }
+    report.released = released.len();
+    wake |= !released.is_empty();
     if wake {
         crate::store::wake_schedulers(pool, "rescued").await?;
     }

@@ -1056,6 +1056,7 @@ async fn the_claim_alone_commits_without_waiting_for_the_disk() {
         .bind(10_i64)
         .bind(60_000_i64)
         .bind(1000_i64)
+        .bind(500_i64)
         .fetch_all(&mut *tx)
         .await
         .unwrap();
@@ -1514,4 +1515,192 @@ async fn the_due_count_of_the_gauges_stops_at_its_cap() {
         .unwrap();
     let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
     assert_eq!(gauges.due_pending, admin::GAUGE_COUNT_CAP);
+}
+
+/// `n` jobs of `group`, enqueued in one statement.
+async fn enqueue_group(pool: &PgPool, group: &str, n: i64) -> Vec<JobId> {
+    sqlx::query_scalar(
+        "INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', $1 FROM generate_series(1, $2) RETURNING id",
+    )
+    .bind(group)
+    .bind(n)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// How many jobs are set aside behind their group.
+async fn set_aside_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE behind_group").fetch_one(pool).await.unwrap()
+}
+
+async fn succeed(pool: &PgPool, id: JobId) {
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = $1")
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// The rows each read of `index` by a claim reads (those it returns and those it filters out),
+/// by `EXPLAIN ANALYZE` in a transaction rolled back, in a session set as the scheduler's.
+async fn rows_the_claim_reads(pool: &PgPool, index: &str) -> Vec<i64> {
+    let mut tx = pool.begin().await.unwrap();
+    for (setting, value) in rowq::store::SCHEDULER_SESSION {
+        let set = format!("SET LOCAL {setting} = {value}");
+        sqlx::query(sqlx::AssertSqlSafe(set)).execute(&mut *tx).await.unwrap();
+    }
+    let explain = format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", rowq::store::dispatch::CLAIM_SQL);
+    let explained: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(explain))
+        .bind("default")
+        .bind(100_i64)
+        .bind(60_000_i64)
+        .bind(1000_i64)
+        .bind(100_i64)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    fn walk(plan: &serde_json::Value, index: &str, reads: &mut Vec<i64>) {
+        if plan.get("Index Name").and_then(|name| name.as_str()) == Some(index) {
+            let rows = |key: &str| plan.get(key).and_then(serde_json::Value::as_i64).unwrap_or(0);
+            reads.push(rows("Actual Rows") + rows("Rows Removed by Filter"));
+        }
+        for child in plan.get("Plans").and_then(|plans| plans.as_array()).into_iter().flatten() {
+            walk(child, index, reads);
+        }
+    }
+    let mut reads = Vec::new();
+    walk(&explained[0]["Plan"], index, &mut reads);
+    reads
+}
+
+/// A group's backlog behind its running head (docs/DESIGN.md, 36): the claims set it aside once,
+/// and from then on read past none of it, while the jobs behind it are claimed at once; each
+/// job of the group goes when the one before it ends.
+#[tokio::test]
+async fn a_groups_backlog_is_set_aside_once_and_no_claim_reads_it_again() {
+    let pool = common::database().await;
+    let group = enqueue_group(&pool, "tenant-1", 2000).await;
+    let loose = common::enqueue_many(&pool, "noop", 10).await;
+    let scheduler = memory_scheduler(&pool);
+
+    let report = scheduler.run_once().await.unwrap();
+    let mut expected = vec![group[0]];
+    expected.extend(&loose);
+    assert_eq!(sent_ids(&scheduler), expected, "the group's head and the jobs behind the backlog");
+    assert_eq!(report.set_aside, 499, "one claim reads its window of the group: {report:?}");
+    assert!(report.full, "a claim that set jobs aside is not followed by the next at once");
+    // A scheduler's run goes on claiming while its claims set jobs aside.
+    let (drainer, _stop, running) = spawn_run(memory_scheduler(&pool), true);
+    assert_eq!(running.await.unwrap().claimed, 0);
+    assert!(drainer.publisher().take().is_empty());
+    assert_eq!(set_aside_count(&pool).await, 1999);
+
+    let later = common::enqueue(&pool, "noop", json!({})).await;
+    assert_eq!(
+        rows_the_claim_reads(&pool, "jobs_claimable_idx").await,
+        vec![1, 1],
+        "the claim (and its window of jobs to set aside) read more than the one new job: the backlog again"
+    );
+    // This scheduler's last claim found its window full of the group's jobs: its next only sets
+    // aside, and finding nothing more to, says that a claim should follow at once.
+    let report = scheduler.run_once().await.unwrap();
+    assert!(report.full && report.claimed == 0, "{report:?}");
+    scheduler.run_once().await.unwrap();
+    assert_eq!(sent_ids(&scheduler), vec![later]);
+
+    for n in 1..4 {
+        succeed(&pool, group[n - 1]).await;
+        let report = scheduler.run_once().await.unwrap();
+        assert_eq!(sent_ids(&scheduler), vec![group[n]], "the group's next job once the one before it ended");
+        assert_eq!(report.set_aside, 0, "{report:?}");
+    }
+    assert_eq!(set_aside_count(&pool).await, 1996);
+}
+
+/// A claim marks a job as behind its group only while it holds a lock on an earlier unfinished
+/// job of the group. Here the statement that ends the group's head has run, and not committed,
+/// when the claim looks: the claim still sees the head unfinished, so it does not claim the
+/// next job, and it must not set it aside either, since the head's trigger has already looked for
+/// a mark to clear and found none. Once the head's end commits, the next job is claimed.
+#[tokio::test]
+async fn no_job_is_set_aside_behind_a_job_whose_end_is_being_committed() {
+    let pool = common::database().await;
+    let head = enqueue_with(&pool, group_job("tenant-2", 1)).await;
+    let lease = Duration::from_secs(60);
+    assert_eq!(claim_due(&pool, "default", 10, lease).await.unwrap().len(), 1);
+    let next = enqueue_with(&pool, group_job("tenant-2", 2)).await;
+
+    let mut ending = pool.begin().await.unwrap();
+    sqlx::query("UPDATE rowq.jobs SET state = 'cancelled', finished_at = now() WHERE id = $1")
+        .bind(head)
+        .execute(&mut *ending)
+        .await
+        .unwrap();
+    let claim = rowq::store::dispatch::claim_due_within(&pool, "default", 10, 1000, lease).await.unwrap();
+    assert!(claim.jobs.is_empty(), "the next job was claimed before its head ended");
+    assert_eq!(claim.set_aside, 0, "the next job was set aside behind a head that was ending");
+    ending.commit().await.unwrap();
+
+    let claimed: Vec<JobId> = claim_due(&pool, "default", 10, lease).await.unwrap().into_iter().map(|c| c.id).collect();
+    assert_eq!(claimed, vec![next], "the next job is left set aside behind a head that has ended");
+}
+
+/// The mark means "pending, and behind its group": a set-aside job that is cancelled loses it,
+/// so that retried later, when nothing is before it, it is claimed. And whatever a client
+/// writes into the column on INSERT is ignored.
+#[tokio::test]
+async fn a_set_aside_job_cancelled_and_retried_first_of_its_group_is_claimed() {
+    let pool = common::database().await;
+    let group = enqueue_group(&pool, "tenant-3", 2).await;
+    let lease = Duration::from_secs(60);
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![group[0]], 1));
+
+    assert!(admin::cancel(&pool, group[1]).await.unwrap().is_some());
+    assert_eq!(set_aside_count(&pool).await, 0, "a cancelled job kept its mark");
+    succeed(&pool, group[0]).await;
+    assert!(admin::retry(&pool, group[1]).await.unwrap().is_some());
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![group[1]], 0));
+
+    let inserted: JobId = sqlx::query_scalar(
+        "INSERT INTO rowq.jobs (kind, group_key, behind_group) VALUES ('noop', 'tenant-4', true) RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![inserted], 0), "a client's mark was kept");
+}
+
+/// The ids one claim took, and how many jobs it set aside.
+async fn claim_due_within_ids(pool: &PgPool, lease: Duration) -> (Vec<JobId>, i64) {
+    let claim = rowq::store::dispatch::claim_due_within(pool, "default", 10, 1000, lease).await.unwrap();
+    (claim.jobs.into_iter().map(|c| c.id).collect(), claim.set_aside)
+}
+
+/// A group's unfinished job deleted by hand releases the job set aside behind it, as its end
+/// would; and a mark left on a job with nothing before it (a row the release trigger found
+/// locked, or a client's write) is cleared by maintenance, which leaves a job that is rightly
+/// set aside alone.
+#[tokio::test]
+async fn a_deleted_head_releases_its_group_and_maintenance_releases_a_mark_left_behind() {
+    let pool = common::database().await;
+    let lease = Duration::from_secs(60);
+    let deleted = enqueue_group(&pool, "tenant-5", 2).await;
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![deleted[0]], 1));
+    sqlx::query("DELETE FROM rowq.jobs WHERE id = $1").bind(deleted[0]).execute(&pool).await.unwrap();
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![deleted[1]], 0));
+
+    let stranded = enqueue_group(&pool, "tenant-6", 1).await[0];
+    let behind = enqueue_group(&pool, "tenant-7", 2).await;
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![stranded, behind[0]], 1));
+    let another = enqueue_with(&pool, group_job("tenant-6", 2)).await;
+    succeed(&pool, stranded).await;
+    sqlx::query("UPDATE rowq.jobs SET behind_group = true WHERE id = $1").bind(another).execute(&pool).await.unwrap();
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![], 0), "a marked job was claimed");
+
+    let report = maintenance::run_once(&pool, Duration::ZERO).await.unwrap();
+    assert_eq!(report.released, 1, "{report:?}");
+    assert_eq!(set_aside_count(&pool).await, 1, "the job rightly set aside was released too");
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![another], 0));
 }

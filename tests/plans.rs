@@ -232,6 +232,7 @@ async fn the_claim_reads_the_pending_index_and_the_primary_key_never_the_finishe
         .bind(100_i64)
         .bind(60_000_i64)
         .bind(1000_i64)
+        .bind(500_i64)
         .fetch_one(&pool)
         .await
         .unwrap();
@@ -259,7 +260,7 @@ async fn the_gauges_read_the_indexes_of_unfinished_rows_only() {
     let nodes = plan_nodes(explained);
     assert_scans_no_table("gauges", &nodes);
     let unfinished = [
-        "jobs_claim_idx",
+        "jobs_claimable_idx",
         "jobs_pending_run_at_idx",
         "jobs_group_idx",
         "jobs_dispatched_idx",
@@ -272,12 +273,38 @@ async fn the_gauges_read_the_indexes_of_unfinished_rows_only() {
     assert!(read.contains(&"jobs_group_idx"), "the claimable wait does not test jobs' groups: {nodes:?}");
 }
 
-/// The claim reads the pending index and updates by primary key, and scans no table.
+/// The nodes of the plan of the CTE `name` (its "Subplan Name" is `CTE name`).
+fn cte_nodes(plan: &Value, name: &str) -> Option<Vec<(String, String)>> {
+    if plan.get("Subplan Name").and_then(Value::as_str) == Some(&format!("CTE {name}")) {
+        let mut out = Vec::new();
+        nodes(plan, &mut out);
+        return Some(out);
+    }
+    plan.get("Plans").and_then(Value::as_array).into_iter().flatten().find_map(|child| cte_nodes(child, name))
+}
+
+/// The claim reads the pending index and updates by primary key, and scans no table. What it
+/// reads to set jobs aside behind their group (docs/DESIGN.md, 36) is the same index, and its
+/// test of a job's group is a lookup in the group's index.
 fn assert_claim_reads_its_indexes(explained: Value) {
+    // `looked_at` is read once, by `behind`, into which Postgres folds it.
+    let behind = cte_nodes(&explained[0]["Plan"], "behind").expect("the claim has a CTE behind");
+    let indexes: Vec<&str> = behind.iter().map(|(_, index)| index.as_str()).filter(|index| !index.is_empty()).collect();
+    assert!(
+        indexes.contains(&"jobs_claimable_idx")
+            && indexes.contains(&"jobs_group_idx")
+            && indexes.iter().all(|index| ["jobs_claimable_idx", "jobs_group_idx"].contains(index)),
+        "the claim looks for jobs to set aside elsewhere than among the claimable ones and their groups: {behind:?}"
+    );
+    let set_aside = cte_nodes(&explained[0]["Plan"], "set_aside").expect("the claim has a CTE set_aside");
+    assert!(
+        set_aside.iter().all(|(_, index)| index.is_empty() || index == "jobs_pkey"),
+        "the claim finds the jobs it sets aside other than by primary key: {set_aside:?}"
+    );
     let nodes = plan_nodes(explained);
     assert_scans_no_table("claim", &nodes);
     assert!(
-        nodes.iter().any(|(_, index)| index == "jobs_claim_idx"),
+        nodes.iter().any(|(_, index)| index == "jobs_claimable_idx"),
         "the claim does not read the pending index: {nodes:?}"
     );
     assert!(
@@ -356,7 +383,9 @@ async fn the_scheduler_statements_generic_plans_read_their_indexes_too() {
     let claimed = dispatch::claim_due(&pool, "default", 2000, Duration::from_secs(60)).await.unwrap();
     assert_eq!(start(&pool, &claimed[..1000]).await, 1000);
 
-    let claim = explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", "'default', 100, 60000, 1000").await;
+    let claim =
+        explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint, bigint", "'default', 100, 60000, 1000, 500")
+            .await;
     assert_claim_reads_its_indexes(claim);
     let dispatched = explain_generic(&pool, RESCUE_DISPATCHED_SQL, "bigint", "1000").await;
     let running = explain_generic(&pool, RESCUE_RUNNING_SQL, "bigint, bigint", "1000, 1000").await;
@@ -432,8 +461,8 @@ async fn one_at_a_time(pool: &PgPool, n: usize, outcome: Outcome) {
 async fn on_a_backlog_of_200000_jobs_the_scheduler_does_not_compile_its_claim() {
     let pool = common::database().await;
     backlog_analyzed_while_pending(&pool, 200_000).await;
-    let arguments = "'default', 100, 60000, 1000";
-    let claim = explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", arguments).await;
+    let arguments = "'default', 100, 60000, 1000, 500";
+    let claim = explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint, bigint", arguments).await;
     assert_eq!(claim[0]["JIT"], Value::Null, "the scheduler's claim is compiled: {claim}");
     assert_claim_reads_its_indexes(claim);
     // What the setting is for, where the server can compile (a build with LLVM, `jit` on by
@@ -444,7 +473,8 @@ async fn on_a_backlog_of_200000_jobs_the_scheduler_does_not_compile_its_claim() 
         .unwrap();
     if can_compile {
         let settings: Vec<_> = rowq::store::SCHEDULER_SESSION.into_iter().filter(|(name, _)| *name != "jit").collect();
-        let compiled = explain_in_session(&pool, &settings, CLAIM_SQL, "text, bigint, bigint, bigint", arguments).await;
+        let compiled =
+            explain_in_session(&pool, &settings, CLAIM_SQL, "text, bigint, bigint, bigint, bigint", arguments).await;
         assert_ne!(compiled[0]["JIT"], Value::Null, "the backlog is not deep enough to tell: {compiled}");
     }
 }
@@ -462,12 +492,42 @@ async fn on_a_small_table_the_scheduler_still_claims_by_primary_key_not_by_readi
     // table; it turns to the indexes between 7 and 12 pages.
     finished_one_at_a_time_and_one_pending(&pool, 50).await;
     sqlx::query("VACUUM (FULL, ANALYZE) rowq.jobs").execute(&pool).await.unwrap();
-    let claim = explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", "'default', 100, 60000, 1000").await;
+    let claim =
+        explain_generic(&pool, CLAIM_SQL, "text, bigint, bigint, bigint, bigint", "'default', 100, 60000, 1000, 500")
+            .await;
     assert_claim_reads_its_indexes(claim);
     // What the settings are for: with the generic plan alone, the planner reads the whole table.
-    let unguarded =
-        explain_generic_only(&pool, CLAIM_SQL, "text, bigint, bigint, bigint", "'default', 100, 60000, 1000").await;
+    let unguarded = explain_generic_only(
+        &pool,
+        CLAIM_SQL,
+        "text, bigint, bigint, bigint, bigint",
+        "'default', 100, 60000, 1000, 500",
+    )
+    .await;
     assert!(plan_nodes(unguarded).iter().any(|(node, _)| node == "Seq Scan"), "the table is not small enough to tell");
+}
+
+/// The scheduler plans its claim once per connection, perhaps on a table never analyzed (a
+/// fresh deploy), or analyzed when every job had a group: what it reads to set jobs aside is
+/// still the claim's own index, in order, once a backlog of ungrouped jobs has come.
+#[tokio::test]
+async fn the_claims_set_aside_reads_the_claims_index_whatever_the_statistics() {
+    let types = "text, bigint, bigint, bigint, bigint";
+    let arguments = "'default', 500, 60000, 1000, 500";
+    let fresh = common::database().await;
+    enqueue(&fresh, 20_000).await;
+    assert_claim_reads_its_indexes(explain_generic(&fresh, CLAIM_SQL, types, arguments).await);
+
+    let all_grouped = common::database().await;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', 'g' || (i % 100) FROM generate_series(1, 20000) i",
+    )
+    .execute(&all_grouped)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE rowq.jobs").execute(&all_grouped).await.unwrap();
+    enqueue(&all_grouped, 20_000).await;
+    assert_claim_reads_its_indexes(explain_generic(&all_grouped, CLAIM_SQL, types, arguments).await);
 }
 
 #[tokio::test]

@@ -218,6 +218,26 @@ async fn job_indexes(pool: &PgPool) -> Vec<String> {
     .unwrap()
 }
 
+/// Waits until a statement of this database whose text holds `text` waits for a lock.
+async fn waiting_for_a_lock(pool: &PgPool, text: &str, what: &str) {
+    common::eventually(Duration::from_secs(30), what, || {
+        let pool = pool.clone();
+        let pattern = format!("%{text}%");
+        async move {
+            let waiting: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity
+                 WHERE datname = current_database() AND query LIKE $1 AND wait_event_type = 'Lock')",
+            )
+            .bind(pattern)
+            .fetch_one(&pool)
+            .await
+            .ok()?;
+            waiting.then_some(())
+        }
+    })
+    .await;
+}
+
 /// Migrations 5–6 add an index of finished rows per outcome, `CONCURRENTLY`: on a large table a
 /// plain `CREATE INDEX` would hold back every enqueue, claim and finish until it is built. It
 /// still waits for the writers already running, as any index build does; those that start
@@ -237,20 +257,7 @@ async fn the_index_migrations_hold_back_no_enqueue_while_they_wait_or_build() {
         let pool = pool.clone();
         async move { store::migrate(&pool).await }
     });
-    common::eventually(Duration::from_secs(30), "the index build to wait for the open writer", || {
-        let pool = pool.clone();
-        async move {
-            let waiting: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT FROM pg_stat_activity
-                 WHERE datname = current_database() AND query LIKE '%CREATE INDEX%' AND wait_event_type = 'Lock')",
-            )
-            .fetch_one(&pool)
-            .await
-            .ok()?;
-            waiting.then_some(())
-        }
-    })
-    .await;
+    waiting_for_a_lock(&pool, "CREATE INDEX", "the index build to wait for the open writer").await;
     let enqueued = tokio::time::timeout(Duration::from_secs(10), common::enqueue(&pool, "noop", json!({}))).await;
     assert!(enqueued.is_ok(), "an enqueue waited for the index build");
     writer.commit().await.unwrap();
@@ -264,6 +271,44 @@ async fn the_index_migrations_hold_back_no_enqueue_while_they_wait_or_build() {
     assert_eq!(store::invalid_indexes(&pool).await.unwrap(), Vec::<String>::new());
     let pruned = rowq::maintenance::run_once(&pool, Duration::from_secs(3600)).await.unwrap().pruned;
     assert_eq!(pruned, 25, "the failed rows finished before the migration are found by the new index");
+}
+
+/// Migration 7 adds a column to `rowq.jobs`, which needs the table's strongest lock: waiting for
+/// it behind a transaction that wrote to the table would queue every enqueue behind the
+/// migration until that transaction ended. It waits a second at a time instead, and gives way in
+/// between; once the writer is gone it goes through, and the schema is whole.
+#[tokio::test]
+async fn the_column_migration_gives_way_to_a_writer_instead_of_holding_up_enqueues() {
+    let pool = common::database_migrated_to(20261206000006).await;
+    let mut writer = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO rowq.jobs (kind) VALUES ('noop')").execute(&mut *writer).await.unwrap();
+    let migrating = tokio::spawn({
+        let pool = pool.clone();
+        async move { store::migrate(&pool).await }
+    });
+    waiting_for_a_lock(&pool, "behind_group", "the migration to wait for the open writer").await;
+    for _ in 0..3 {
+        let enqueued = tokio::time::timeout(Duration::from_secs(5), common::enqueue(&pool, "noop", json!({}))).await;
+        assert!(enqueued.is_ok(), "an enqueue waited behind the migration for the open writer");
+    }
+    assert!(!migrating.is_finished(), "the migration did not wait for the writer");
+    writer.commit().await.unwrap();
+    migrating.await.unwrap().unwrap();
+    let column: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT FROM information_schema.columns
+         WHERE table_schema = 'rowq' AND table_name = 'jobs' AND column_name = 'behind_group')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(column);
+    let indexes = job_indexes(&pool).await;
+    assert!(
+        indexes.contains(&"jobs_claimable_idx".to_string()) && indexes.contains(&"jobs_behind_group_idx".to_string()),
+        "{indexes:?}"
+    );
+    assert!(indexes.contains(&"jobs_claim_idx".to_string()), "older binaries' claim needs it: {indexes:?}");
+    assert_eq!(common::count_in_state(&pool, JobState::Pending).await, 4);
 }
 
 /// An index build that was interrupted leaves the index invalid, and its migration skips the
@@ -303,7 +348,7 @@ async fn the_embedded_migrations_are_the_files_of_the_migrations_directory() {
             .map(|m| (m.version, m.description.to_string(), m.migration_type, m.checksum.to_vec(), m.no_tx))
             .collect()
     };
-    assert_eq!(read.iter().count(), 6, "the directory has the migrations the list is checked against");
+    assert_eq!(read.iter().count(), 10, "the directory has the migrations the list is checked against");
     assert_eq!(summary(&store::MIGRATOR), summary(&read));
 }
 

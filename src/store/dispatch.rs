@@ -46,7 +46,42 @@ pub async fn claim_due(pool: &PgPool, queue: &str, limit: u32, lease: Duration) 
     Ok(claim_due_within(pool, queue, limit, u32::MAX, lease).await?.jobs)
 }
 
+/// The claimable jobs of the queue `$1` in claim order, read from `jobs_claimable_idx`, with
+/// `$more` conditions: what the claim takes from, and where it looks for jobs to set aside.
+macro_rules! claimable_in_order {
+    ($($more:expr),*) => {
+        concat!(
+            "SELECT j.id, j.group_key
+            FROM rowq.jobs j
+            WHERE j.state = 'pending'
+              AND NOT j.behind_group
+              AND j.queue = $1
+              AND j.run_at <= now() ",
+            $($more,)*
+            "
+            ORDER BY j.priority DESC, j.run_at, j.id"
+        )
+    };
+}
+
 /// The claim statement of [`claim_due_within`] (public so that tests can `EXPLAIN` it).
+///
+/// Beside the claim itself (`due`, `claimed`), it sets aside the jobs that wait behind an
+/// unfinished earlier job of their group (`looked_at`, `behind`, `set_aside`; docs/DESIGN.md,
+/// 36). It reads the first `$5` claimable jobs in claim order, the rows the claim itself reads
+/// first, from the same index (at least [`SET_ASIDE_WINDOW`] whatever the claim may take, so
+/// that a claim held to a few rows by the in-flight cap or a rate still sets aside a backlog's
+/// worth), and marks `behind_group` those of them with such an earlier job. The mark leaves
+/// them out of `jobs_claimable_idx`: no claim reads them again until their group's earlier
+/// jobs have ended, when a trigger clears it.
+///
+/// A job is marked only while the claim holds a lock on an earlier unfinished job of its group:
+/// one it takes itself (it holds that row, dispatched, until it commits), or one it locks
+/// without waiting (`FOR SHARE SKIP LOCKED`), on that job's newest version. The statement that
+/// ends that job then waits for the claim to commit, so that its trigger sees the mark it is to
+/// clear. Had the job ended between the claim's snapshot and its lock, it is no longer
+/// unfinished and no reason for a mark; had another statement locked it (to end it, perhaps),
+/// the claim marks nothing behind it this time.
 pub const CLAIM_SQL: &str = concat!(
     r#"
         WITH in_flight AS (
@@ -55,18 +90,43 @@ pub const CLAIM_SQL: &str = concat!(
             FROM rowq.jobs WHERE queue = $1 AND state = 'dispatched'
         ),
         due AS (
-            SELECT j.id
-            FROM rowq.jobs j
-            WHERE j.state = 'pending'
-              AND j.queue = $1
-              AND j.run_at <= now()
-              AND "#,
-    super::first_of_its_group!(),
+            "#,
+    claimable_in_order!("AND ", super::first_of_its_group!()),
     r#"
-            ORDER BY j.priority DESC, j.run_at, j.id
             LIMIT CASE WHEN (SELECT paused FROM in_flight) THEN 0
                        ELSE least($2, greatest(0, $4 - (SELECT n FROM in_flight))) END
             FOR UPDATE SKIP LOCKED
+        ),
+        looked_at AS (
+            "#,
+    claimable_in_order!(),
+    r#"
+            LIMIT CASE WHEN (SELECT paused FROM in_flight) THEN 0 ELSE $5 END
+        ),
+        behind AS (
+            SELECT l.id
+            FROM looked_at l
+            WHERE l.group_key IS NOT NULL
+              AND l.id <> ALL (ARRAY(SELECT id FROM due))
+              AND (EXISTS (SELECT FROM due WHERE due.group_key = l.group_key AND due.id < l.id)
+               OR (SELECT earlier.id FROM rowq.jobs earlier
+                   WHERE earlier.group_key = l.group_key
+                     AND earlier.id < l.id
+                     AND earlier.state IN ('pending', 'dispatched', 'running')
+                   ORDER BY earlier.group_key, earlier.id
+                   LIMIT 1
+                   FOR SHARE SKIP LOCKED) IS NOT NULL)
+        ),
+        set_aside AS (
+            UPDATE rowq.jobs j
+            SET behind_group = true
+            WHERE j.id = ANY (ARRAY(
+                SELECT b.id FROM rowq.jobs b
+                WHERE b.id = ANY (ARRAY(SELECT id FROM behind))
+                  AND b.state::text = 'pending'
+                  AND NOT b.behind_group
+                FOR UPDATE SKIP LOCKED))
+            RETURNING j.id
         ),
         next_due AS (
             SELECT min(run_at) AS at FROM rowq.jobs WHERE queue = $1 AND state = 'pending' AND run_at > now()
@@ -80,11 +140,17 @@ pub const CLAIM_SQL: &str = concat!(
             WHERE j.id = ANY (ARRAY(SELECT id FROM due))
             RETURNING j.id, j.dispatch_gen, j.group_key, j.created_at, j.priority, j.run_at
         )
-        SELECT c.id, c.dispatch_gen, c.group_key, c.created_at, in_flight.n, next_due.at, in_flight.paused
+        SELECT c.id, c.dispatch_gen, c.group_key, c.created_at, in_flight.n, next_due.at, in_flight.paused,
+               (SELECT count(*) FROM set_aside) AS set_aside
         FROM in_flight CROSS JOIN next_due LEFT JOIN claimed c ON true
         ORDER BY c.priority DESC, c.run_at, c.id
         "#
 );
+
+/// How many grouped jobs a claim reads, at least, to set aside those waiting behind their group.
+pub const SET_ASIDE_WINDOW: u32 = 500;
+/// How many at most, however wide the scheduler makes its window ([`claim_setting_aside`]).
+pub const SET_ASIDE_WINDOW_MAX: u32 = 20_000;
 
 /// What one claim statement did and saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +164,10 @@ pub struct Claim {
     pub next_due: Option<DateTime<Utc>>,
     /// The queue is paused (`rowq.paused_queues`): the claim took nothing.
     pub paused: bool,
+    /// Jobs this claim found waiting behind an unfinished earlier job of their group, and set
+    /// aside (see [`CLAIM_SQL`]): when there are any, more may be claimable right now, behind
+    /// them in claim order.
+    pub set_aside: i64,
 }
 
 /// [`claim_due`], taking no more rows than leave fewer than `max_in_flight` rows of the queue
@@ -124,22 +194,40 @@ pub async fn claim_due_within(
     max_in_flight: u32,
     lease: Duration,
 ) -> Result<Claim, sqlx::Error> {
-    type Row = (Option<JobId>, Option<i64>, Option<String>, Option<DateTime<Utc>>, i64, Option<DateTime<Utc>>, bool);
+    claim_setting_aside(executor, queue, limit, max_in_flight, lease, SET_ASIDE_WINDOW).await
+}
+
+/// [`claim_due_within`], reading up to `window` grouped jobs (at least `limit`) to set aside
+/// those waiting behind their group. The scheduler widens it while claims find nothing else
+/// (a group's backlog behind its head), so that such a backlog is set aside in a few claims,
+/// each of which still reads past the part not yet set aside.
+pub async fn claim_setting_aside(
+    executor: impl PgExecutor<'_>,
+    queue: &str,
+    limit: u32,
+    max_in_flight: u32,
+    lease: Duration,
+    window: u32,
+) -> Result<Claim, sqlx::Error> {
+    type Row =
+        (Option<JobId>, Option<i64>, Option<String>, Option<DateTime<Utc>>, i64, Option<DateTime<Utc>>, bool, i64);
     let rows: Vec<Row> = sqlx::query_as(CLAIM_SQL)
         .bind(queue)
         .bind(i64::from(limit))
         .bind(millis(lease))
         .bind(i64::from(max_in_flight))
+        .bind(i64::from(limit.max(window)))
         .fetch_all(executor)
         .await?;
-    let (in_flight_before, next_due, paused) = rows.first().map_or((0, None, false), |row| (row.4, row.5, row.6));
+    let (in_flight_before, next_due, paused, set_aside) =
+        rows.first().map_or((0, None, false, 0), |row| (row.4, row.5, row.6, row.7));
     let jobs = rows
         .into_iter()
         .filter_map(|(id, dispatch_gen, group_key, created_at, ..)| {
             Some(Claimed { id: id?, dispatch_gen: dispatch_gen?, group_key, created_at: created_at? })
         })
         .collect();
-    Ok(Claim { jobs, in_flight_before, next_due, paused })
+    Ok(Claim { jobs, in_flight_before, next_due, paused, set_aside })
 }
 
 /// The statement of [`release`] (public so that tests can `EXPLAIN` it).

@@ -138,6 +138,51 @@ macro_rules! prune_sql {
 pub const PRUNE_DONE_SQL: &str = prune_sql!("'succeeded', 'cancelled'");
 pub const PRUNE_FAILED_SQL: &str = prune_sql!("'failed'");
 
+/// A job [`release_set_aside`] found set aside behind its group with nothing before it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    pub id: JobId,
+    pub group_key: Option<String>,
+}
+
+from_row!(Released { id, group_key });
+
+/// The statement of [`release_set_aside`] (public so that tests can `EXPLAIN` it). It reads the
+/// first set-aside job of each group (a walk of `jobs_behind_group_idx`, one step per group), not
+/// every set-aside job.
+pub const RELEASE_SET_ASIDE_SQL: &str = r#"
+        WITH RECURSIVE firsts AS (
+            (SELECT group_key, id FROM rowq.jobs WHERE behind_group ORDER BY group_key, id LIMIT 1)
+            UNION ALL
+            SELECT next.group_key, next.id
+            FROM firsts f, LATERAL (SELECT group_key, id FROM rowq.jobs
+                                    WHERE behind_group AND group_key > f.group_key
+                                    ORDER BY group_key, id LIMIT 1) next
+        )
+        UPDATE rowq.jobs j
+        SET behind_group = false
+        WHERE j.id = ANY (ARRAY(
+            SELECT s.id FROM rowq.jobs s
+            WHERE s.id = ANY (ARRAY(
+                    SELECT f.id FROM firsts f
+                    WHERE NOT EXISTS (SELECT 1 FROM rowq.jobs earlier
+                                      WHERE earlier.group_key = f.group_key
+                                        AND earlier.id < f.id
+                                        AND earlier.state IN ('pending', 'dispatched', 'running'))))
+              AND s.behind_group
+            FOR UPDATE SKIP LOCKED))
+        RETURNING j.id, j.group_key
+        "#;
+
+/// Clears the mark of a job set aside behind its group (docs/DESIGN.md, 36) that has no
+/// unfinished job before it: claimable, and left out of every claim. The trigger that clears a
+/// group's first mark when one of its jobs ends skips a row another statement holds locked, so
+/// that it never waits; this is what catches a mark it so left (and one a client wrote by
+/// hand). Nothing is found here in the normal run of things.
+pub async fn release_set_aside(pool: &PgPool) -> Result<Vec<Released>, sqlx::Error> {
+    sqlx::query_as(RELEASE_SET_ASIDE_SQL).fetch_all(pool).await
+}
+
 /// Something that keeps Postgres from removing dead row versions: an open transaction, a
 /// prepared one, or a replication slot (a standby's `hot_standby_feedback`).
 ///

@@ -72,6 +72,10 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (20261206000004, "paused queues", include_str!("../../migrations/20261206000004_paused_queues.sql")),
     (20261206000005, "failed rows index", include_str!("../../migrations/20261206000005_failed_rows_index.sql")),
     (20261206000006, "done rows index", include_str!("../../migrations/20261206000006_done_rows_index.sql")),
+    (20261207000007, "behind group", include_str!("../../migrations/20261207000007_behind_group.sql")),
+    (20261207000008, "group statistics", include_str!("../../migrations/20261207000008_group_statistics.sql")),
+    (20261207000009, "claimable index", include_str!("../../migrations/20261207000009_claimable_index.sql")),
+    (20261207000010, "behind group index", include_str!("../../migrations/20261207000010_behind_group_index.sql")),
 ];
 
 /// The channel the insert trigger notifies (one notification per inserting statement).
