@@ -36,8 +36,11 @@ BEGIN
 END;
 $$;
 
--- The mark means "pending, and behind its group": a row that leaves `pending` loses it, so that
--- a job cancelled or failed while marked and retried later is claimable as it should be.
+-- The mark means "pending, and behind its group": a row that leaves `pending` marked (a cancel)
+-- loses it, so that retried later, first of its group, it is claimable. After the row's update,
+-- not before: a row trigger that runs before an update locks each row the statement updates
+-- again, a lock and its WAL record on every claim, fence and finish of every job, for a case
+-- this trigger's WHEN finds false but on a cancelled marked job.
 CREATE FUNCTION rowq.clear_behind_group() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -51,10 +54,18 @@ CREATE TRIGGER jobs_behind_group_on_insert
     FOR EACH ROW WHEN (NEW.behind_group)
     EXECUTE FUNCTION rowq.clear_behind_group();
 
+CREATE FUNCTION rowq.unmark_left_pending() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE rowq.jobs SET behind_group = false WHERE id = NEW.id AND behind_group;
+    RETURN NULL;
+END;
+$$;
+
 CREATE TRIGGER jobs_behind_group_only_while_pending
-    BEFORE UPDATE ON rowq.jobs
+    AFTER UPDATE ON rowq.jobs
     FOR EACH ROW WHEN (NEW.behind_group AND NEW.state <> 'pending')
-    EXECUTE FUNCTION rowq.clear_behind_group();
+    EXECUTE FUNCTION rowq.unmark_left_pending();
 
 -- When an unfinished job of a group ends (or is deleted), the group's first marked job loses
 -- its mark: if no earlier job of its group is left it is claimable now, and if one is, the

@@ -95,12 +95,11 @@ pub struct Scheduler<P> {
     rate: Option<DispatchRate>,
     /// What the loop last did, for the health endpoint ([`crate::health`]).
     health: std::sync::Arc<Health>,
-    /// How many claimable jobs the next claim reads to set aside those behind their group
-    /// ([`store::dispatch::claim_setting_aside`]): four times wider after a claim that found
-    /// half of its window or more to set aside, and the least after any other.
+    /// How many claimable jobs the next claim reads to set aside those behind their group, when
+    /// it only sets aside ([`store::dispatch::claim_setting_aside`]).
     set_aside_window: AtomicU32,
-    /// The next claim only sets aside (its claim `LIMIT 0`): the last one found half of its
-    /// window or more to set aside, the front of a group's backlog not yet set aside. A claim
+    /// The next claim only sets aside (its claim `LIMIT 0`): the last one found half of what it
+    /// read or more to set aside, the front of a group's backlog not yet set aside. A claim
     /// reads past every such job it does not set aside, so claiming beside the setting aside
     /// would read the rest of the backlog again at every step (docs/DESIGN.md, 36).
     set_aside_only: AtomicBool,
@@ -303,11 +302,13 @@ impl<P: Publisher> Scheduler<P> {
         listener: Option<&'l mut PgListener>,
     ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>, u32) {
         let (queue, cap, lease) = (&self.config.queue, self.config.max_in_flight, self.config.dispatch_lease);
-        let batch = match self.set_aside_only.load(Ordering::Relaxed) {
-            true => 0,
-            false => self.rate.as_ref().map_or(self.config.claim_batch, |rate| rate.take(self.config.claim_batch)),
+        let (batch, window) = match self.set_aside_only.load(Ordering::Relaxed) {
+            true => (0, self.set_aside_window.load(Ordering::Relaxed)),
+            false => {
+                let batch = self.config.claim_batch;
+                (self.rate.as_ref().map_or(batch, |rate| rate.take(batch)), 0)
+            }
         };
-        let window = self.set_aside_window.load(Ordering::Relaxed);
         let (listener, claim) = match listener {
             Some(listener) => {
                 let claim =
@@ -332,14 +333,20 @@ impl<P: Publisher> Scheduler<P> {
         // is for the next claim, at once, as after a full batch.
         let set_aside = usize::try_from(claim.set_aside).unwrap_or(0);
         report.set_aside += set_aside;
-        let (window, only) =
-            (self.set_aside_window.load(Ordering::Relaxed), self.set_aside_only.load(Ordering::Relaxed));
-        let widen = set_aside > 0 && set_aside * 2 >= window as usize;
-        let next_window = match widen {
-            true => window.saturating_mul(4).min(store::dispatch::SET_ASIDE_WINDOW_MAX),
-            false => store::dispatch::SET_ASIDE_WINDOW,
+        // What the claim read to set aside: its window, or as many rows as it could take.
+        let only = self.set_aside_only.load(Ordering::Relaxed);
+        let read = match only {
+            true => self.set_aside_window.load(Ordering::Relaxed),
+            false => {
+                let room = i64::from(cap).saturating_sub(claim.in_flight_before).clamp(0, i64::from(allowed));
+                u32::try_from(room).unwrap_or(allowed)
+            }
         };
-        self.set_aside_window.store(next_window, Ordering::Relaxed);
+        let widen = set_aside > 0 && set_aside * 2 >= read as usize;
+        if widen {
+            let (least, most) = (store::dispatch::SET_ASIDE_WINDOW, store::dispatch::SET_ASIDE_WINDOW_MAX);
+            self.set_aside_window.store(read.saturating_mul(4).clamp(least, most), Ordering::Relaxed);
+        }
         self.set_aside_only.store(widen, Ordering::Relaxed);
         // And one that only set aside claimed nothing: a claim follows it at once.
         report.full = jobs.len() == self.config.claim_batch as usize || set_aside > 0 || only;

@@ -68,10 +68,9 @@ macro_rules! claimable_in_order {
 ///
 /// Beside the claim itself (`due`, `claimed`), it sets aside the jobs that wait behind an
 /// unfinished earlier job of their group (`looked_at`, `behind`, `set_aside`; docs/DESIGN.md,
-/// 36). It reads the first `$5` claimable jobs in claim order, the rows the claim itself reads
-/// first, from the same index (at least [`SET_ASIDE_WINDOW`] whatever the claim may take, so
-/// that a claim held to a few rows by the in-flight cap or a rate still sets aside a backlog's
-/// worth), and marks `behind_group` those of them with such an earlier job. The mark leaves
+/// 36). It reads the first claimable jobs in claim order, from the same index: as many as
+/// the claim may take (the rows it reads first itself), or `$5` when that is more (a claim that
+/// only sets aside, [`claim_setting_aside`]); and marks `behind_group`/// those of them with such an earlier job. The mark leaves
 /// them out of `jobs_claimable_idx`: no claim reads them again until their group's earlier
 /// jobs have ended, when a trigger clears it.
 ///
@@ -101,7 +100,8 @@ pub const CLAIM_SQL: &str = concat!(
             "#,
     claimable_in_order!(),
     r#"
-            LIMIT CASE WHEN (SELECT paused FROM in_flight) THEN 0 ELSE $5 END
+            LIMIT CASE WHEN (SELECT paused FROM in_flight) THEN 0
+                       ELSE greatest($5, least($2, greatest(0, $4 - (SELECT n FROM in_flight)))) END
         ),
         behind AS (
             SELECT l.id
@@ -147,9 +147,10 @@ pub const CLAIM_SQL: &str = concat!(
         "#
 );
 
-/// How many grouped jobs a claim reads, at least, to set aside those waiting behind their group.
+/// How many claimable jobs a claim that only sets aside reads, at least
+/// ([`claim_setting_aside`]).
 pub const SET_ASIDE_WINDOW: u32 = 500;
-/// How many at most, however wide the scheduler makes its window ([`claim_setting_aside`]).
+/// How many at most, however wide the scheduler makes its window.
 pub const SET_ASIDE_WINDOW_MAX: u32 = 20_000;
 
 /// What one claim statement did and saw.
@@ -194,13 +195,15 @@ pub async fn claim_due_within(
     max_in_flight: u32,
     lease: Duration,
 ) -> Result<Claim, sqlx::Error> {
-    claim_setting_aside(executor, queue, limit, max_in_flight, lease, SET_ASIDE_WINDOW).await
+    claim_setting_aside(executor, queue, limit, max_in_flight, lease, 0).await
 }
 
-/// [`claim_due_within`], reading up to `window` grouped jobs (at least `limit`) to set aside
-/// those waiting behind their group. The scheduler widens it while claims find nothing else
-/// (a group's backlog behind its head), so that such a backlog is set aside in a few claims,
-/// each of which still reads past the part not yet set aside.
+/// [`claim_due_within`], reading `window` claimable jobs to set aside those waiting behind their
+/// group when that is more than it may claim. The scheduler passes 0, and after a claim that
+/// found half of what it read or more to set aside (the front of a group's backlog), it claims
+/// with `limit` 0 and a window four times wider, until the front is set aside: a claim reads past
+/// each such job it does not set aside, so claiming beside the setting aside would read the rest
+/// of the backlog again at every step (docs/DESIGN.md, 36).
 pub async fn claim_setting_aside(
     executor: impl PgExecutor<'_>,
     queue: &str,
@@ -216,7 +219,7 @@ pub async fn claim_setting_aside(
         .bind(i64::from(limit))
         .bind(millis(lease))
         .bind(i64::from(max_in_flight))
-        .bind(i64::from(limit.max(window)))
+        .bind(i64::from(window))
         .fetch_all(executor)
         .await?;
     let (in_flight_before, next_due, paused, set_aside) =
