@@ -37,8 +37,8 @@ pub struct DispatchReport {
     pub released: usize,
     /// The in-flight cap left no room for (all of) a full batch.
     pub capped: bool,
-    /// The pass's last claim took a full batch, or set jobs aside behind their group: more
-    /// may be due right now.
+    /// The pass's last claim took a full batch, set jobs aside behind their group, or only set
+    /// aside (it took nothing by design): more may be due right now.
     pub full: bool,
     /// Jobs the claims found waiting behind an unfinished earlier job of their group and set
     /// aside, so that no claim reads them again until they can run (docs/DESIGN.md, 36).

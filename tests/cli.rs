@@ -458,6 +458,22 @@ async fn stats_names_the_kinds_that_failed_in_the_last_hour() {
     assert!(text.contains("failed in the last hour, by kind: resize 2, email 1"), "{text}");
 }
 
+/// `rowq stats` counts, by queue, the jobs the claim has set aside behind their group: a backlog
+/// that waits for its group, not for the scheduler.
+#[tokio::test]
+async fn stats_counts_the_jobs_waiting_behind_their_group() {
+    let pool = common::database().await;
+    sqlx::query("INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', 'tenant' FROM generate_series(1, 5)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    rowq::store::dispatch::claim_due(&pool, "default", 10, std::time::Duration::from_secs(60)).await.unwrap();
+    let stats = json_of(&pool, &["stats"]);
+    assert_eq!(stats["behind_group"], json!([{"queue": "default", "count": 4}]));
+    let text = stdout(&rowq(&pool, &["stats"]));
+    assert!(text.contains("default: 4 pending jobs wait behind an unfinished earlier job of their group"), "{text}");
+}
+
 /// `rowq retry --all-failed --kind K` puts back the failed jobs of one kind (the one whose handler
 /// was fixed) and no other, and with `--since` only those that failed since; a job whose `dedup_key` another job holds stays failed and is named,
 /// where it used to refuse the whole retry: the key's unfinished job holds it, or, between failed

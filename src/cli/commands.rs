@@ -937,6 +937,12 @@ async fn stats(pool: &PgPool, json: bool) -> anyhow::Result<()> {
         Some(secs) => println!("oldest due pending job: {secs:.1} s"),
         None => println!("no due pending jobs"),
     }
+    for behind in &stats.behind_group {
+        println!(
+            "{}: {} pending jobs wait behind an unfinished earlier job of their group (rowq list --group-key KEY)",
+            behind.queue, behind.count
+        );
+    }
     println!(
         "finished in the last minute: {} ({:.1}/s)",
         stats.finished_last_minute,

@@ -668,6 +668,15 @@ pub struct StateCount {
 
 from_row!(StateCount { queue, state, count });
 
+/// Jobs of one queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct QueueCount {
+    pub queue: String,
+    pub count: i64,
+}
+
+from_row!(QueueCount { queue, count });
+
 /// The queue's health at a glance.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Stats {
@@ -684,6 +693,10 @@ pub struct Stats {
     pub cleanup_held_by: Vec<CleanupHolder>,
     /// The paused queues ([`pause`]), the longest paused first.
     pub paused: Vec<PausedQueue>,
+    /// By queue, the `pending` jobs the claim has set aside behind an unfinished earlier job of
+    /// their group (`behind_group`, docs/DESIGN.md 36), which wait for their group and not for
+    /// the scheduler.
+    pub behind_group: Vec<QueueCount>,
 }
 
 /// Jobs of one kind.
@@ -734,7 +747,22 @@ pub async fn stats(pool: &PgPool) -> Result<Stats, sqlx::Error> {
     .await?;
     let cleanup_held_by = cleanup_holders(pool, STATS_CLEANUP_HELD_FOR).await?;
     let paused = paused_queues(pool).await?;
-    Ok(Stats { counts, oldest_pending_secs, finished_last_minute, failed_last_hour, cleanup_held_by, paused })
+    // Through the index of the jobs set aside (`jobs_behind_group_idx`): none read but those.
+    let behind_group = sqlx::query_as(
+        "SELECT queue, count(*) AS count FROM rowq.jobs WHERE behind_group AND state = 'pending'
+         GROUP BY queue ORDER BY queue",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(Stats {
+        counts,
+        oldest_pending_secs,
+        finished_last_minute,
+        failed_last_hour,
+        cleanup_held_by,
+        paused,
+        behind_group,
+    })
 }
 
 /// [`QueueGauges::due_pending`] counts no further than this, so that a backlog of millions costs

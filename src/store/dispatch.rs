@@ -70,9 +70,9 @@ macro_rules! claimable_in_order {
 /// unfinished earlier job of their group (`looked_at`, `behind`, `set_aside`; docs/DESIGN.md,
 /// 36). It reads the first claimable jobs in claim order, from the same index: as many as
 /// the claim may take (the rows it reads first itself), or `$5` when that is more (a claim that
-/// only sets aside, [`claim_setting_aside`]); and marks `behind_group`/// those of them with such an earlier job. The mark leaves
-/// them out of `jobs_claimable_idx`: no claim reads them again until their group's earlier
-/// jobs have ended, when a trigger clears it.
+/// only sets aside, [`claim_setting_aside`]); and marks `behind_group` those of them with such
+/// an earlier job. The mark leaves them out of `jobs_claimable_idx`: no claim reads them again
+/// until their group's earlier jobs have ended, when a trigger clears it.
 ///
 /// A job is marked only while the claim holds a lock on an earlier unfinished job of its group:
 /// one it takes itself (it holds that row, dispatched, until it commits), or one it locks
