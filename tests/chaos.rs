@@ -1,8 +1,8 @@
 //! The chaos run: real Postgres, real LocalStack, scheduler and runner *processes*, and faults
 //! injected at random while thousands of jobs flow — SIGKILLed processes, every message
 //! delivered twice, terminated database sessions, an unreachable SQS endpoint, the queue paused
-//! and resumed, run deadlines cut short. At the end every invariant rowq promises is checked and
-//! printed.
+//! and resumed, run deadlines cut short. A fifth of the jobs belong to groups, whose jobs must run
+//! one at a time in id order. At the end every invariant rowq promises is checked and printed.
 //!
 //! `make chaos` runs it at full size (CHAOS_JOBS=5000, CHAOS_SECONDS=60); `make test` at a small
 //! one. The binary is its own runner process: started with `--runner` it serves the queue with
@@ -327,25 +327,31 @@ async fn run(settings: &Settings, rng: &mut StdRng, database_url: &str) -> Resul
 }
 
 /// 85 % plain effects (0–30 ms), 7 % that fail twice then succeed, 5 % slow (1.5 s, the ones whose
-/// deadlines get cut), 3 % doomed (fail permanently).
+/// deadlines get cut), 3 % doomed (fail permanently). One job in five, of each kind, belongs to
+/// one of [`GROUPS`] groups, whose jobs must run one at a time in id order.
 async fn enqueue(pool: &PgPool, jobs: i64) -> Result<(), Error> {
     sqlx::query(
         r#"
-        INSERT INTO rowq.jobs (kind, payload, max_attempts)
+        INSERT INTO rowq.jobs (kind, payload, max_attempts, group_key)
         SELECT 'effect',
                CASE WHEN n % 100 < 85 THEN jsonb_build_object('sleep_ms', n % 31)
                     WHEN n % 100 < 92 THEN jsonb_build_object('fail_first', 2)
                     WHEN n % 100 < 97 THEN jsonb_build_object('sleep_ms', 1500)
                     ELSE jsonb_build_object('permanent', true) END,
-               50
+               50,
+               CASE WHEN n % 5 = 0 THEN 'chaos-' || (n / 5) % $2 END
         FROM generate_series(1, $1) AS n
         "#,
     )
     .bind(jobs)
+    .bind(GROUPS)
     .execute(pool)
     .await?;
     Ok(())
 }
+
+/// How many groups the grouped jobs are spread over.
+const GROUPS: i64 = 20;
 
 fn child_env(world: &World, command: &mut Command, name: &str) -> Result<(), Error> {
     let log = std::fs::File::create(world.logs.join(format!("{name}.log")))?;
@@ -485,6 +491,22 @@ async fn check_invariants(
     )
     .await?;
     checks.push(("no job has more effects than attempts", over == 0, format!("{over} jobs")));
+    // A group's next job is claimed only once the one before it has ended, so every execution of
+    // it starts after that end.
+    let overlapping = count(
+        "SELECT count(*) FROM (SELECT started_at, lag(finished_at) OVER (PARTITION BY group_key ORDER BY id) AS before
+                               FROM rowq.jobs WHERE group_key IS NOT NULL) AS g
+         WHERE started_at < before",
+    )
+    .await?;
+    let grouped = count("SELECT count(*) FROM rowq.jobs WHERE group_key IS NOT NULL").await?;
+    checks.push((
+        "the jobs of each group ran one at a time, in id order",
+        overlapping == 0,
+        format!("{overlapping} started before the job before them ended, of {grouped} grouped"),
+    ));
+    let set_aside = count("SELECT count(*) FROM rowq.jobs WHERE behind_group").await?;
+    checks.push(("no job is left set aside behind its group", set_aside == 0, format!("{set_aside} jobs")));
     let retried = count("SELECT count(*) FROM rowq.jobs WHERE attempts > 1").await?;
     let max_attempts = count("SELECT coalesce(max(attempts), 0)::bigint FROM rowq.jobs").await?;
     checks.push((

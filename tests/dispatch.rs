@@ -1563,8 +1563,9 @@ async fn rows_the_claim_reads(pool: &PgPool, index: &str) -> Vec<i64> {
     tx.rollback().await.unwrap();
     fn walk(plan: &serde_json::Value, index: &str, reads: &mut Vec<i64>) {
         if plan.get("Index Name").and_then(|name| name.as_str()) == Some(index) {
-            let rows = |key: &str| plan.get(key).and_then(serde_json::Value::as_i64).unwrap_or(0);
-            reads.push(rows("Actual Rows") + rows("Rows Removed by Filter"));
+            // A count per loop, which PostgreSQL 18 prints with two decimals (1.00).
+            let rows = |key: &str| plan.get(key).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+            reads.push((rows("Actual Rows") + rows("Rows Removed by Filter")).round() as i64);
         }
         for child in plan.get("Plans").and_then(|plans| plans.as_array()).into_iter().flatten() {
             walk(child, index, reads);
