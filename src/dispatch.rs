@@ -9,7 +9,7 @@
 //! rows that maintenance rescues after their lease; their next claim gets a new generation.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -95,14 +95,13 @@ pub struct Scheduler<P> {
     rate: Option<DispatchRate>,
     /// What the loop last did, for the health endpoint ([`crate::health`]).
     health: std::sync::Arc<Health>,
-    /// How many claimable jobs the next claim reads to set aside those behind their group, when
-    /// it only sets aside ([`store::dispatch::claim_setting_aside`]).
-    set_aside_window: AtomicU32,
-    /// The next claim only sets aside (its claim `LIMIT 0`): the last one found half of what it
-    /// read or more to set aside, the front of a group's backlog not yet set aside. A claim
-    /// reads past every such job it does not set aside, so claiming beside the setting aside
-    /// would read the rest of the backlog again at every step (docs/DESIGN.md, 36).
-    set_aside_only: AtomicBool,
+    /// Nonzero when the next claim only sets aside (its claim `LIMIT 0`), reading this many
+    /// claimable jobs for those behind their group ([`store::dispatch::claim_setting_aside`]):
+    /// the last claim found half of what it read or more to set aside, the front of a group's
+    /// backlog not yet set aside. A claim reads past every such job it does not set aside, so
+    /// claiming beside the setting aside would read the rest of the backlog again at every step
+    /// (docs/DESIGN.md, 36).
+    set_aside_only: AtomicU32,
 }
 
 /// A token bucket of claimed rows for `ROWQ_MAX_DISPATCH_RATE`. It holds a tenth of a
@@ -203,8 +202,7 @@ impl<P: Publisher> Scheduler<P> {
             metrics_report: NotBefore::default(),
             rate,
             health,
-            set_aside_window: AtomicU32::new(store::dispatch::SET_ASIDE_WINDOW),
-            set_aside_only: AtomicBool::new(false),
+            set_aside_only: AtomicU32::new(0),
         }
     }
 
@@ -302,12 +300,10 @@ impl<P: Publisher> Scheduler<P> {
         listener: Option<&'l mut PgListener>,
     ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>, u32) {
         let (queue, cap, lease) = (&self.config.queue, self.config.max_in_flight, self.config.dispatch_lease);
-        let (batch, window) = match self.set_aside_only.load(Ordering::Relaxed) {
-            true => (0, self.set_aside_window.load(Ordering::Relaxed)),
-            false => {
-                let batch = self.config.claim_batch;
-                (self.rate.as_ref().map_or(batch, |rate| rate.take(batch)), 0)
-            }
+        let window = self.set_aside_only.load(Ordering::Relaxed);
+        let batch = match window {
+            0 => self.rate.as_ref().map_or(self.config.claim_batch, |rate| rate.take(self.config.claim_batch)),
+            _ => 0,
         };
         let (listener, claim) = match listener {
             Some(listener) => {
@@ -334,20 +330,21 @@ impl<P: Publisher> Scheduler<P> {
         let set_aside = usize::try_from(claim.set_aside).unwrap_or(0);
         report.set_aside += set_aside;
         // What the claim read to set aside: its window, or as many rows as it could take.
-        let only = self.set_aside_only.load(Ordering::Relaxed);
-        let read = match only {
-            true => self.set_aside_window.load(Ordering::Relaxed),
-            false => {
+        let window = self.set_aside_only.load(Ordering::Relaxed);
+        let only = window > 0;
+        let read = match window {
+            0 => {
                 let room = i64::from(cap).saturating_sub(claim.in_flight_before).clamp(0, i64::from(allowed));
                 u32::try_from(room).unwrap_or(allowed)
             }
+            window => window,
         };
-        let widen = set_aside > 0 && set_aside * 2 >= read as usize;
-        if widen {
-            let (least, most) = (store::dispatch::SET_ASIDE_WINDOW, store::dispatch::SET_ASIDE_WINDOW_MAX);
-            self.set_aside_window.store(read.saturating_mul(4).clamp(least, most), Ordering::Relaxed);
-        }
-        self.set_aside_only.store(widen, Ordering::Relaxed);
+        let (least, most) = (store::dispatch::SET_ASIDE_WINDOW, store::dispatch::SET_ASIDE_WINDOW_MAX);
+        let next = match set_aside > 0 && set_aside * 2 >= read as usize {
+            true => read.saturating_mul(4).clamp(least, most),
+            false => 0,
+        };
+        self.set_aside_only.store(next, Ordering::Relaxed);
         // And one that only set aside claimed nothing: a claim follows it at once.
         report.full = jobs.len() == self.config.claim_batch as usize || set_aside > 0 || only;
         if set_aside > 0 {

@@ -361,34 +361,47 @@ impl Worker {
         );
         let last = taken_over.len() - 1;
         for (i, record) in taken_over.into_iter().enumerate() {
-            let lease = if failed.is_empty() { self.lease_within(deadline, 1) } else { None };
-            let Some(lease) = lease else {
-                tracing::warn!(job.id = record.message.job_id.0, sqs.message_id = %record.message_id, "not run: no time left, or the database gone; the record will be redelivered");
-                failed.push(record.message_id);
-                say_ran(i == last);
-                continue;
-            };
-            let job = match steps.call(vec![record.fence(lease)]).await {
-                Ok(done) => done.into_iter().find_map(Done::started),
-                Err(error) => {
-                    crate::secret::note(&error);
-                    tracing::error!(error = %error, sqs.message_id = %record.message_id, "could not start the job: database unavailable; the record will be redelivered");
-                    failed.push(record.message_id);
-                    say_ran(i == last);
-                    continue;
-                }
-            };
-            let Some(job) = job else {
-                log_stale(&record, tally);
-                say_ran(i == last);
-                continue;
-            };
-            log_started(&job, &record, JobState::Running);
-            let execution = self.execute(record, job, deadline).await;
+            let execution = self.take_over(steps, record, deadline, &mut failed, tally).await;
             say_ran(i == last);
-            failed.extend(self.record_outcomes(steps, vec![execution], tally).await);
+            if let Some(execution) = execution {
+                failed.extend(self.record_outcomes(steps, vec![execution], tally).await);
+            }
         }
         failed
+    }
+
+    /// Fences the job of `record` with a lease made now and runs it: `None` when it did not run,
+    /// either handed back (no time left, an outcome before it already in `failed`, or the fence
+    /// failed: its message id goes to `failed`) or stale (acknowledged).
+    async fn take_over(
+        &self,
+        steps: &Combiner<Step, Done>,
+        record: Record,
+        deadline: Instant,
+        failed: &mut Vec<String>,
+        tally: &mut Tally,
+    ) -> Option<Execution> {
+        let lease = if failed.is_empty() { self.lease_within(deadline, 1) } else { None };
+        let Some(lease) = lease else {
+            tracing::warn!(job.id = record.message.job_id.0, sqs.message_id = %record.message_id, "not run: no time left, or the database gone; the record will be redelivered");
+            failed.push(record.message_id);
+            return None;
+        };
+        let job = match steps.call(vec![record.fence(lease)]).await {
+            Ok(done) => done.into_iter().find_map(Done::started),
+            Err(error) => {
+                crate::secret::note(&error);
+                tracing::error!(error = %error, sqs.message_id = %record.message_id, "could not start the job: database unavailable; the record will be redelivered");
+                failed.push(record.message_id);
+                return None;
+            }
+        };
+        let Some(job) = job else {
+            log_stale(&record, tally);
+            return None;
+        };
+        log_started(&job, &record, JobState::Running);
+        Some(self.execute(record, job, deadline).await)
     }
 
     /// Runs one started job's handler under its timeout.
