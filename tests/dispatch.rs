@@ -1504,6 +1504,52 @@ async fn the_claimable_wait_looks_no_further_than_its_window() {
     assert!((oldest..oldest + 30.0).contains(&gauges.oldest_due_pending_secs), "{gauges:?}");
 }
 
+/// Jobs the claim has set aside behind their group are not read by the claimable wait: a group's
+/// backlog deeper than `CLAIMABLE_WINDOW`, once set aside, leaves the wait of the claimable jobs
+/// behind it, not of the window's youngest (which would page the backlog alarm for as long as
+/// the group's backlog lasts). And the oldest claimable job is the oldest of every priority's.
+#[tokio::test]
+async fn a_groups_backlog_set_aside_does_not_hold_up_the_claimable_wait() {
+    let pool = common::database().await;
+    let backlog = admin::CLAIMABLE_WINDOW + 100;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, group_key, run_at, state)
+         SELECT 'noop', 'import', now() - interval '1 day', 'running'::rowq.job_state
+         UNION ALL
+         SELECT 'noop', 'import', now() - interval '2 hours' + n * interval '10 ms', 'pending'
+         FROM generate_series(1, $1) n
+         UNION ALL
+         SELECT 'noop', NULL, now() - interval '1 minute', 'pending'",
+    )
+    .bind(backlog)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let minutes = |secs: f64| (secs / 60.0).round();
+    let before = admin::queue_gauges(&pool, "default").await.unwrap();
+    assert_eq!(minutes(before.oldest_claimable_secs), 118.0, "none set aside yet: the window's youngest {before:?}");
+
+    let window = rowq::store::dispatch::SET_ASIDE_WINDOW_MAX;
+    let claim = rowq::store::dispatch::claim_setting_aside(&pool, "default", 0, 100, Duration::from_secs(60), window)
+        .await
+        .unwrap();
+    assert_eq!(claim.set_aside, backlog, "{claim:?}");
+    let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
+    assert_eq!(minutes(gauges.oldest_claimable_secs), 1.0, "{gauges:?}");
+    assert_eq!(minutes(gauges.oldest_due_pending_secs), 120.0, "users wait for the set-aside jobs: {gauges:?}");
+
+    // Another priority's older job is older, whichever way the priorities lie.
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, priority, run_at) VALUES
+            ('noop', 5, now() - interval '5 minutes'), ('noop', -5, now() - interval '10 minutes')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
+    assert_eq!(minutes(gauges.oldest_claimable_secs), 10.0, "{gauges:?}");
+}
+
 /// A backlog of millions costs the gauges no more than a scan of `GAUGE_COUNT_CAP` entries.
 #[tokio::test]
 async fn the_due_count_of_the_gauges_stops_at_its_cap() {

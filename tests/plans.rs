@@ -271,6 +271,7 @@ async fn the_gauges_read_the_indexes_of_unfinished_rows_only() {
     let read: Vec<&str> = nodes.iter().map(|(_, index)| index.as_str()).filter(|index| !index.is_empty()).collect();
     assert!(read.iter().all(|index| unfinished.contains(index)), "the gauges read another index: {nodes:?}");
     assert!(read.contains(&"jobs_group_idx"), "the claimable wait does not test jobs' groups: {nodes:?}");
+    assert!(read.contains(&"jobs_claimable_idx"), "the claimable wait reads jobs set aside: {nodes:?}");
 }
 
 /// The nodes of the plan of the CTE `name` (its "Subplan Name" is `CTE name`).

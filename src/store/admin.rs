@@ -770,9 +770,11 @@ pub async fn stats(pool: &PgPool) -> Result<Stats, sqlx::Error> {
 pub const GAUGE_COUNT_CAP: i64 = 100_000;
 
 /// [`QueueGauges::oldest_claimable_secs`] looks for a claimable job among this many of the
-/// oldest due ones at most, testing each for an unfinished job earlier in its group: with
-/// 200,000 due jobs behind one running job of their group (and 1M finished rows) the gauges
-/// took 0.12–0.17 s with this window and 2.4–2.6 s without one.
+/// oldest due ones of each priority at most, testing each for an unfinished job earlier in its
+/// group. The jobs the claim has set aside behind their group (`behind_group`, docs/DESIGN.md
+/// 36) are not read at all; the window bounds the walk past those it has not set aside yet:
+/// with 200,000 due jobs behind one running job of their group, none set aside (and 1M
+/// finished rows), the gauges took 0.12–0.17 s with this window and 2.4–2.6 s without one.
 pub const CLAIMABLE_WINDOW: i64 = 10_000;
 
 /// One queue's state as the scheduler reports it in its metrics (`crate::metrics`).
@@ -785,8 +787,10 @@ pub struct QueueGauges {
     /// would be taken. Like [`oldest_due_pending_secs`](Self::oldest_due_pending_secs), but
     /// without the jobs waiting behind an unfinished one of their `group_key`, which wait for
     /// a job in flight or in its backoff, not for the scheduler: it grows only when dispatch
-    /// itself is held up. When all of the [`CLAIMABLE_WINDOW`] oldest due jobs wait behind their
-    /// groups, it is the wait of the youngest of them: no claimable job has waited longer.
+    /// itself is held up. The jobs the claim has set aside are left out unread; when all of the
+    /// [`CLAIMABLE_WINDOW`] oldest due jobs of a priority that it has not set aside wait behind
+    /// their groups, that priority counts the wait of the youngest of them: none of its
+    /// claimable jobs has waited longer.
     pub oldest_claimable_secs: f64,
     /// `pending` jobs that are due, up to [`GAUGE_COUNT_CAP`].
     pub due_pending: i64,
@@ -799,37 +803,58 @@ pub struct QueueGauges {
 }
 
 /// The statement of [`queue_gauges`] (public so that tests can `EXPLAIN` it).
+///
+/// The oldest claimable job is the oldest of each priority's first: the claim's index
+/// (`jobs_claimable_idx`, which holds no job set aside) is in `run_at` order within a priority,
+/// and `priorities` steps through the queue's priorities in it, one index descent each (at most
+/// 2,001, the CHECK's range; a queue uses a few).
 pub const GAUGES_SQL: &str = concat!(
     r#"
-    WITH window_end AS (
-        SELECT (SELECT run_at FROM rowq.jobs WHERE state = 'pending' AND queue = $1 AND run_at <= now()
-                ORDER BY run_at OFFSET $3 - 1 LIMIT 1) AS at
+    WITH RECURSIVE priorities (priority) AS (
+        (SELECT priority FROM rowq.jobs WHERE state = 'pending' AND NOT behind_group AND queue = $1
+          ORDER BY priority DESC LIMIT 1)
+        UNION ALL
+        SELECT (SELECT j.priority FROM rowq.jobs j
+                 WHERE j.state = 'pending' AND NOT j.behind_group AND j.queue = $1 AND j.priority < p.priority
+                 ORDER BY j.priority DESC LIMIT 1)
+        FROM priorities p WHERE p.priority IS NOT NULL
+    ),
+    oldest_claimable AS (
+        -- Per priority: the first due job that passes the claim's group test, among the
+        -- window's; none passing in a full window, the window's youngest.
+        SELECT min(coalesce(
+            (SELECT j.run_at FROM rowq.jobs j
+              WHERE j.state = 'pending' AND NOT j.behind_group AND j.queue = $1 AND j.priority = p.priority
+                AND j.run_at <= coalesce(window_end.at, now())
+                AND "#,
+    super::first_of_its_group!(),
+    r#"
+              ORDER BY j.run_at LIMIT 1),
+            window_end.at)) AS at
+        FROM priorities p,
+             LATERAL (SELECT (SELECT run_at FROM rowq.jobs
+                               WHERE state = 'pending' AND NOT behind_group AND queue = $1
+                                 AND priority = p.priority AND run_at <= now()
+                               ORDER BY run_at OFFSET $3 - 1 LIMIT 1) AS at) window_end
+        WHERE p.priority IS NOT NULL
     )
     SELECT
         coalesce((SELECT extract(epoch FROM now() - min(run_at))::float8
                     FROM rowq.jobs WHERE state = 'pending' AND queue = $1 AND run_at <= now()), 0),
-        coalesce((SELECT extract(epoch FROM now() - j.run_at)::float8
-                    FROM rowq.jobs j
-                    WHERE j.state = 'pending' AND j.queue = $1 AND j.run_at <= coalesce(window_end.at, now())
-                      AND "#,
-    super::first_of_its_group!(),
-    r#"
-                    ORDER BY j.run_at LIMIT 1),
-                 extract(epoch FROM now() - window_end.at)::float8,
-                 0),
+        coalesce((SELECT extract(epoch FROM now() - at)::float8 FROM oldest_claimable), 0),
         (SELECT count(*) FROM (SELECT FROM rowq.jobs
                                 WHERE state = 'pending' AND queue = $1 AND run_at <= now() LIMIT $2) due),
         (SELECT count(*) FROM rowq.jobs WHERE state = 'dispatched' AND queue = $1),
         (SELECT count(*) FROM rowq.jobs WHERE state = 'running' AND queue = $1),
         EXISTS (SELECT FROM rowq.paused_queues WHERE queue = $1)
-    FROM window_end
     "#
 );
 
 /// [`QueueGauges`] of `queue`, in one statement. Each part reads a partial index of unfinished
 /// rows (the claim's, the dispatched and the running one), never the finished rows. The oldest
-/// claimable job is found by walking the due jobs oldest first, each tested as the claim tests
-/// it, and stopping at the first that passes or at the [`CLAIMABLE_WINDOW`]th.
+/// claimable job is found by walking each priority's due jobs not set aside, oldest first, each
+/// tested as the claim tests it, and stopping at the first that passes or at the
+/// [`CLAIMABLE_WINDOW`]th.
 pub async fn queue_gauges(pool: &PgPool, queue: &str) -> Result<QueueGauges, sqlx::Error> {
     let (oldest_due_pending_secs, oldest_claimable_secs, due_pending, dispatched, running, paused) =
         sqlx::query_as(GAUGES_SQL).bind(queue).bind(GAUGE_COUNT_CAP).bind(CLAIMABLE_WINDOW).fetch_one(pool).await?;
