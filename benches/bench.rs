@@ -382,7 +382,7 @@ async fn database(settings: &Settings, name: &str) -> Result<(PgPool, String), E
     Postgres::create_database(&url).await?;
     let config =
         rowq::config::DatabaseConfig { url: url.clone(), pool_size: settings.c as u32 * 2 + 8, secret_arn: None };
-    let pool = rowq::store::connect(&config).await?;
+    let pool = rowq::store::connect(&config, rowq::store::Session::Worker).await?;
     rowq::store::migrate(&pool).await?;
     Ok((pool, url))
 }

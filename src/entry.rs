@@ -45,10 +45,10 @@ fn block_on<F: Future<Output = Result<(), Error>>>(future: F) -> Result<(), Erro
 /// The Lambdas' pool: the database URL from its secret if one is configured (and read again
 /// when the database refuses a login: [`secret::follow`]), connecting on first use (a cold
 /// start does not fail while the database is briefly unreachable).
-async fn lazy_pool(database: &mut DatabaseConfig) -> Result<PgPool, Error> {
+async fn lazy_pool(database: &mut DatabaseConfig, session: Session) -> Result<PgPool, Error> {
     secret::resolve(database).await?;
-    let pool = store::connect_lazy(database)?;
-    secret::follow(database, vec![(pool.clone(), Session::Server)]);
+    let pool = store::connect_lazy(database, session)?;
+    secret::follow(database, vec![(pool.clone(), session)]);
     Ok(pool)
 }
 
@@ -56,14 +56,16 @@ async fn lazy_pool(database: &mut DatabaseConfig) -> Result<PgPool, Error> {
 /// connects on first use, and `registry`'s handlers on the Lambda runtime.
 pub fn worker(mut config: WorkerConfig, registry: Registry) -> Result<(), Error> {
     block_on(async move {
-        let pool = lazy_pool(&mut config.database).await?;
+        let pool = lazy_pool(&mut config.database, Session::Worker).await?;
         worker::run_lambda(Worker::new(pool, registry, config)).await
     })
 }
 
 /// The dead-letter Lambda, set up as [`worker`].
 pub fn dlq_handler(mut config: WorkerConfig) -> Result<(), Error> {
-    block_on(async move { dlq::run_lambda(lazy_pool(&mut config.database).await?, config.metrics).await })
+    block_on(async move {
+        dlq::run_lambda(lazy_pool(&mut config.database, Session::DlqHandler).await?, config.metrics).await
+    })
 }
 
 /// `scheduler --health-check`, `rowq work --health-check`: whether the process serving

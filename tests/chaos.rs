@@ -66,7 +66,7 @@ async fn runner() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-    let Ok(pool) = rowq::store::connect(&worker_config.database).await else {
+    let Ok(pool) = rowq::store::connect(&worker_config.database, rowq::store::Session::Worker).await else {
         eprintln!("runner: cannot connect");
         return ExitCode::FAILURE;
     };

@@ -1130,12 +1130,42 @@ async fn the_scheduler_plans_its_statements_once_per_connection() {
 #[tokio::test]
 async fn a_connection_that_died_while_idle_is_replaced_before_use() {
     let pool = common::database().await;
-    let own = rowq::store::connect(&common::own_database_config(&pool, 1)).await.unwrap();
+    let own = rowq::store::connect(&common::own_database_config(&pool, 1), rowq::store::Session::Worker).await.unwrap();
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&own).await.unwrap();
     sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
     tokio::time::sleep(rowq::store::IDLE_BEFORE_PING + Duration::from_millis(200)).await;
     let replaced: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&own).await.unwrap();
     assert_ne!(replaced, pid);
+}
+
+/// Each pool of rowq's names its sessions for its part and rowq's version, as `pg_stat_activity`
+/// shows them to whoever counts the connections or looks for a lock's holder; a URL that names
+/// them itself keeps its name.
+#[tokio::test]
+async fn rowqs_sessions_name_their_part_and_version_unless_the_url_names_them() {
+    use rowq::store::Session;
+    let pool = common::database().await;
+    let config = common::own_database_config(&pool, 1);
+    async fn name_of(pool: PgPool) -> String {
+        sqlx::query_scalar("SELECT application_name::text FROM pg_stat_activity WHERE pid = pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    }
+    let version = env!("CARGO_PKG_VERSION");
+    let scheduler = rowq::store::connect_scheduler(&config).await.unwrap();
+    assert_eq!(name_of(scheduler).await, format!("rowq scheduler {version}"));
+    for (session, part) in [(Session::Worker, "worker"), (Session::DlqHandler, "dlq-handler"), (Session::Cli, "cli")] {
+        let own = rowq::store::connect_lazy(&config, session).unwrap();
+        assert_eq!(name_of(own).await, format!("rowq {part} {version}"), "{session:?}");
+    }
+    let separator = if config.url.contains('?') { '&' } else { '?' };
+    let named = rowq::config::DatabaseConfig {
+        url: format!("{}{separator}application_name=billing-worker", config.url),
+        ..config
+    };
+    let own = rowq::store::connect(&named, Session::Worker).await.unwrap();
+    assert_eq!(name_of(own).await, "billing-worker");
 }
 
 /// A publisher whose sends wait until `open` says so (at most 10 s), counting what the table

@@ -239,7 +239,7 @@ async fn a_dlq_handler_whose_database_cannot_be_reached_hands_the_rest_of_its_ba
     let (address, connections) = closing_listener().await;
     let config =
         DatabaseConfig { url: format!("postgres://postgres@{address}/nowhere"), pool_size: 2, secret_arn: None };
-    let pool = rowq::store::connect_lazy(&config).unwrap();
+    let pool = rowq::store::connect_lazy(&config, rowq::store::Session::Worker).unwrap();
     let body = |id: i64| JobMessage::new(JobId(id), 1).encode();
     let batch = event(&[
         ("a", body(1)),

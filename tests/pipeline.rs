@@ -288,7 +288,11 @@ async fn records_that_keep_failing_land_on_the_dlq_and_the_dlq_handler_fails_the
     // The worker's database is unreachable: every receive ends in a batch item failure.
     let mut config = common::worker_config();
     config.database.url = "postgres://postgres@127.0.0.1:1/nowhere".into();
-    let broken = Arc::new(Worker::new(rowq::store::connect_lazy(&config.database).unwrap(), effect_registry(), config));
+    let broken = Arc::new(Worker::new(
+        rowq::store::connect_lazy(&config.database, rowq::store::Session::Worker).unwrap(),
+        effect_registry(),
+        config,
+    ));
     let source = EventSource::new(client.clone(), &queues.queue_url, Duration::from_secs(1), Duration::from_secs(10))
         .await
         .unwrap();

@@ -322,8 +322,8 @@ async fn a_worker_follows_its_database_secret_when_it_is_rotated() {
 
     let mut config = rowq::config::DatabaseConfig { url: String::new(), pool_size: 2, secret_arn: Some(arn.clone()) };
     rowq::secret::resolve(&mut config).await.unwrap();
-    let worker_pool = rowq::store::connect_lazy(&config).unwrap();
-    rowq::secret::follow(&config, vec![(worker_pool.clone(), rowq::store::Session::Server)]);
+    let worker_pool = rowq::store::connect_lazy(&config, rowq::store::Session::Worker).unwrap();
+    rowq::secret::follow(&config, vec![(worker_pool.clone(), rowq::store::Session::Worker)]);
     let worker = Worker::new(worker_pool.clone(), registry(), common::worker_config());
     let user = || sqlx::query_scalar::<_, String>("SELECT current_user::text").fetch_one(&worker_pool);
     let first = common::enqueue(&pool, "echo", json!({"n": 1})).await;
@@ -616,7 +616,7 @@ async fn taken_over_jobs_after_one_whose_outcome_was_lost_are_handed_back_unrun(
     let (url, outage) = common::database_behind_a_proxy(&pool).await;
     let mut config = common::worker_config();
     config.database.url = url;
-    let through_proxy = rowq::store::connect_lazy(&config.database).unwrap();
+    let through_proxy = rowq::store::connect_lazy(&config.database, rowq::store::Session::Worker).unwrap();
     let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = ran.clone();
     let registry = registry()
@@ -730,7 +730,7 @@ async fn an_unreachable_database_fails_every_record_so_sqs_redelivers() {
     let claimed = claim_due(&pool, "default", 1, Duration::from_secs(60)).await.unwrap();
     let mut config = common::worker_config();
     config.database.url = "postgres://postgres@127.0.0.1:1/nowhere".into();
-    let unreachable = rowq::store::connect_lazy(&config.database).unwrap();
+    let unreachable = rowq::store::connect_lazy(&config.database, rowq::store::Session::Worker).unwrap();
     let worker = Worker::new(unreachable, registry(), config);
     let failed = deliver(
         &worker,
@@ -1155,7 +1155,11 @@ async fn a_database_failure_under_a_shared_statement_fails_every_batch_in_it() {
     let batches = claimed_batches(&pool, 2).await;
     let mut config = common::worker_config();
     config.database.url = "postgres://postgres@127.0.0.1:1/nowhere".into();
-    let worker = Worker::new(rowq::store::connect_lazy(&config.database).unwrap(), registry(), config);
+    let worker = Worker::new(
+        rowq::store::connect_lazy(&config.database, rowq::store::Session::Worker).unwrap(),
+        registry(),
+        config,
+    );
     let failed = futures::future::join_all(batches.iter().cloned().map(|records| deliver(&worker, records))).await;
     for (batch, failed) in batches.iter().zip(failed) {
         let all: Vec<String> = batch.iter().filter_map(|r| r.message_id.clone()).collect();
@@ -1462,7 +1466,8 @@ async fn a_connection_kept_past_its_time_is_not_handed_out_even_if_its_release_h
 #[tokio::test]
 async fn the_connections_to_postgres_send_without_nagles_delay() {
     let test = common::database().await;
-    let pool = rowq::store::connect(&common::own_database_config(&test, 3)).await.unwrap();
+    let pool =
+        rowq::store::connect(&common::own_database_config(&test, 3), rowq::store::Session::Worker).await.unwrap();
     let mut held = Vec::new();
     for _ in 0..3 {
         held.push(pool.acquire().await.unwrap());

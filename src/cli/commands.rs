@@ -249,7 +249,9 @@ pub async fn connect(database_url: &str) -> anyhow::Result<PgPool> {
         );
     }
     let config = DatabaseConfig { url: database_url.to_string(), pool_size: 4, secret_arn: None };
-    store::connect(&config).await.with_context(|| format!("cannot connect to {}", redact_url(database_url)))
+    store::connect(&config, store::Session::Cli)
+        .await
+        .with_context(|| format!("cannot connect to {}", redact_url(database_url)))
 }
 
 /// `rowq dev` and `rowq demo` start from nothing: create the database when it does not exist.

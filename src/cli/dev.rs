@@ -7,6 +7,7 @@ use sqlx::PgPool;
 use super::QueueArgs;
 use crate::config::{self, Env, EventSourceConfig, SchedulerConfig, WorkerConfig};
 use crate::pipeline::{Pipeline, PipelineConfig};
+use crate::store::Session;
 use crate::{Registry, Worker, health, sqs, store, telemetry};
 
 #[derive(Args)]
@@ -59,10 +60,10 @@ pub async fn work(database_url: &str, from_secret: Option<crate::config::Databas
     let worker_config = WorkerConfig::from(&env)?;
     let event_source = EventSourceConfig::from(&env)?;
     let pool = super::commands::connect(database_url).await?;
-    let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
+    let worker_pool =
+        store::connect(&worker_config.database, Session::Worker).await.context("cannot connect the worker pool")?;
     if let Some(secret) = &from_secret {
-        let session = store::Session::Server;
-        crate::secret::follow(secret, vec![(pool.clone(), session), (worker_pool.clone(), session)]);
+        crate::secret::follow(secret, vec![(pool.clone(), Session::Cli), (worker_pool.clone(), Session::Worker)]);
     }
     let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
     // No scheduler runs here; the scheduler settings are only carried along.
@@ -110,7 +111,8 @@ pub async fn start(
     let scheduler = SchedulerConfig::from(&env)?;
     let worker_config = WorkerConfig::from(&env)?;
     let event_source = EventSourceConfig::from(&env)?;
-    let worker_pool = store::connect(&worker_config.database).await.context("cannot connect the worker pool")?;
+    let worker_pool =
+        store::connect(&worker_config.database, Session::Worker).await.context("cannot connect the worker pool")?;
     let worker = Worker::new(worker_pool, Registry::builtin(), worker_config);
     let scheduler_pool =
         store::connect_scheduler(&scheduler.database).await.context("cannot connect the scheduler pool")?;

@@ -90,10 +90,11 @@ pub async fn wake_schedulers<'e>(executor: impl PgExecutor<'e>, why: &str) -> Re
     sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(why).execute(executor).await.map(|_| ())
 }
 
-/// Opens a pool. Statement logging is turned down: a per-query info line would drown the
-/// transition log lines and could leak values.
-pub async fn connect(config: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
-    pool_options(config).connect_with(session_options(&config.url, Session::Server)?).await
+/// Opens a pool of `session`'s connections ([`connect_scheduler`] opens the scheduler's).
+/// Statement logging is turned down: a per-query info line would drown the transition log lines
+/// and could leak values.
+pub async fn connect(config: &DatabaseConfig, session: Session) -> Result<PgPool, sqlx::Error> {
+    pool_options(config).connect_with(session_options(&config.url, session)?).await
 }
 
 /// Opens the scheduler's pool: [`connect`], with the session settings of [`SCHEDULER_SESSION`].
@@ -124,24 +125,54 @@ pub async fn connect_scheduler(config: &DatabaseConfig) -> Result<PgPool, sqlx::
     pool_options(config).connect_with(session_options(&config.url, Session::Scheduler)?).await
 }
 
-/// The settings a pool's sessions run with: the server's ([`connect`], [`connect_lazy`]), or
-/// the scheduler's ([`connect_scheduler`], [`SCHEDULER_SESSION`]).
+/// Whose a pool's sessions are: what each names itself to the server, and the settings it runs
+/// with (the scheduler's are [`SCHEDULER_SESSION`]; the others run with the server's).
+///
+/// Each session is named for its part and rowq's version ([`Session::application_name`]): what
+/// `pg_stat_activity` shows, and `rowq stats` when it names what holds back the cleanup of old
+/// row versions. A DBA counting connections (a worker's pool per Lambda instance adds up) or
+/// looking for the session that holds a lock sees which are rowq's, and of which release: whether
+/// a binary older than a migration is still connected, before a release drops what only such a
+/// binary reads (README, "How it maps to AWS"). A URL that names its sessions itself
+/// (`?application_name=...`, or `PGAPPNAME`) keeps its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Session {
-    Server,
+    /// The worker's: a Lambda, `rowq work`, `rowq dev`.
+    Worker,
+    /// The dead-letter handler's Lambda.
+    DlqHandler,
+    /// The `rowq` CLI's own statements.
+    Cli,
+    /// The scheduler's ([`connect_scheduler`]).
     Scheduler,
+}
+
+impl Session {
+    /// `rowq <part> <version>`: `rowq worker 0.1.0`.
+    pub fn application_name(self) -> String {
+        let part = match self {
+            Session::Worker => "worker",
+            Session::DlqHandler => "dlq-handler",
+            Session::Cli => "cli",
+            Session::Scheduler => "scheduler",
+        };
+        format!("rowq {part} {}", env!("CARGO_PKG_VERSION"))
+    }
 }
 
 /// The options with which a pool of `session` connects to `url`; what
 /// [`crate::secret::follow`] gives a pool when the database secret changes.
 pub fn session_options(url: &str, session: Session) -> Result<PgConnectOptions, sqlx::Error> {
-    let options = url
+    let mut options = url
         .parse::<PgConnectOptions>()?
         .log_statements(log::LevelFilter::Debug)
         .log_slow_statements(log::LevelFilter::Warn, Duration::from_secs(1));
+    if options.get_application_name().is_none() {
+        options = options.application_name(&session.application_name());
+    }
     Ok(match session {
-        Session::Server => options,
         Session::Scheduler => options.options(SCHEDULER_SESSION),
+        Session::Worker | Session::DlqHandler | Session::Cli => options,
     })
 }
 
@@ -152,8 +183,8 @@ pub const SCHEDULER_SESSION: [(&str, &str); 3] =
 
 /// A pool that connects on first use: a Lambda cold start does not fail when the database is
 /// briefly unreachable; the batches fail instead and SQS redelivers them.
-pub fn connect_lazy(config: &DatabaseConfig) -> Result<PgPool, sqlx::Error> {
-    Ok(pool_options(config).connect_lazy_with(session_options(&config.url, Session::Server)?))
+pub fn connect_lazy(config: &DatabaseConfig, session: Session) -> Result<PgPool, sqlx::Error> {
+    Ok(pool_options(config).connect_lazy_with(session_options(&config.url, session)?))
 }
 
 /// A connection idle for longer than this is tested (one round trip) before it is handed out.
