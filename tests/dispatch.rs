@@ -1724,6 +1724,38 @@ async fn no_job_is_set_aside_behind_a_job_whose_end_is_being_committed() {
     assert_eq!(claimed, vec![next], "the next job is left set aside behind a head that has ended");
 }
 
+/// The lock that lets a claim set a job aside is on the group's first unfinished job, and only
+/// that one. Here the statement that ends the group's running head holds its row when a claim
+/// looks at a later job: had the claim locked the next unfinished job instead (the one set aside
+/// behind the head), the head's trigger, which skips a locked row, would leave that job's mark
+/// in place with nothing before it, until maintenance.
+#[tokio::test]
+async fn a_claim_looking_while_a_head_ends_leaves_the_job_behind_the_head_to_be_released() {
+    let pool = common::database().await;
+    let lease = Duration::from_secs(60);
+    let group = enqueue_group(&pool, "tenant-9", 2).await;
+    let (head, next) = (group[0], group[1]);
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![head], 1));
+    let last = enqueue_with(&pool, group_job("tenant-9", 3)).await;
+
+    let mut ending = pool.begin().await.unwrap();
+    sqlx::query("SELECT FROM rowq.jobs WHERE id = $1 FOR UPDATE").bind(head).execute(&mut *ending).await.unwrap();
+    let mut claiming = pool.begin().await.unwrap();
+    let claim = rowq::store::dispatch::claim_due_within(&mut *claiming, "default", 10, 1000, lease).await.unwrap();
+    assert!(claim.jobs.is_empty(), "{claim:?}");
+    sqlx::query("UPDATE rowq.jobs SET state = 'succeeded', finished_at = now() WHERE id = $1")
+        .bind(head)
+        .execute(&mut *ending)
+        .await
+        .unwrap();
+    ending.commit().await.unwrap();
+    claiming.commit().await.unwrap();
+
+    assert_eq!(claim_due_within_ids(&pool, lease).await.0, vec![next], "the job behind the head was left set aside");
+    succeed(&pool, next).await;
+    assert_eq!(claim_due_within_ids(&pool, lease).await.0, vec![last]);
+}
+
 /// The mark means "pending, and behind its group": a set-aside job that is cancelled loses it,
 /// so that retried later, when nothing is before it, it is claimed. And whatever a client
 /// writes into the column on INSERT is ignored.
