@@ -6,7 +6,7 @@
 //! (1000), BENCH_RATE (inserts per second for latency, 100), BENCH_PAIRS (how many times each
 //! paired workload runs alternating with its floor: [`PAIRED`]), BENCH_ONLY (comma-separated
 //! workloads: enqueue, sql-floor, dispatch-memory, drain-memory, drain-memory-results,
-//! group-backlog, latency-floor, latency-memory, raw-localstack, dispatch-localstack, drain-localstack,
+//! drain-memory-groups, group-backlog, latency-floor, latency-memory, raw-localstack, dispatch-localstack, drain-localstack,
 //! latency-localstack; default all), BENCH_HOLD (1: a transaction stays open all run, so no row
 //! version left by any workload can be cleaned up meanwhile: `common::open_transaction`),
 //! BENCH_LOCALSTACK_PAIR_S (a LocalStack pair slower than this is not run again:
@@ -54,6 +54,7 @@ enum Solo {
     DispatchMemory,
     DrainMemory,
     DrainMemoryResults,
+    DrainMemoryGroups,
     GroupBacklog,
     RawLocalStack,
     DispatchLocalStack,
@@ -69,12 +70,13 @@ enum Side {
 }
 
 /// Every workload by its name (`BENCH_ONLY`), in the order a full run takes them.
-const WORKLOADS: [(&str, Workload); 12] = [
+const WORKLOADS: [(&str, Workload); 13] = [
     ("enqueue", Workload::Alone(Solo::Enqueue)),
     ("sql-floor", Workload::Alone(Solo::SqlFloor)),
     ("dispatch-memory", Workload::Alone(Solo::DispatchMemory)),
     ("drain-memory", Workload::Alone(Solo::DrainMemory)),
     ("drain-memory-results", Workload::Alone(Solo::DrainMemoryResults)),
+    ("drain-memory-groups", Workload::Alone(Solo::DrainMemoryGroups)),
     ("group-backlog", Workload::Alone(Solo::GroupBacklog)),
     ("latency-floor", Workload::Pickup(Side::Floor)),
     ("latency-memory", Workload::Pickup(Side::Memory)),
@@ -360,8 +362,9 @@ async fn solo_run(solo: Solo, settings: &Settings) -> Result<Value, Error> {
         Solo::Enqueue => enqueue(settings).await,
         Solo::SqlFloor => sql_floor(settings).await,
         Solo::DispatchMemory => dispatch_memory(settings).await,
-        Solo::DrainMemory => drain_memory(settings, 0).await,
-        Solo::DrainMemoryResults => drain_memory(settings, RESULT_BYTES).await,
+        Solo::DrainMemory => drain_memory(settings, Shape::NoOp).await,
+        Solo::DrainMemoryResults => drain_memory(settings, Shape::Results(RESULT_BYTES)).await,
+        Solo::DrainMemoryGroups => drain_memory(settings, Shape::Groups(GROUP_SIZE)).await,
         Solo::GroupBacklog => group_backlog(settings).await,
         Solo::RawLocalStack => raw_localstack(settings).await,
         Solo::DispatchLocalStack => dispatch_localstack(settings).await,
@@ -405,24 +408,46 @@ async fn drop_queues(client: &aws_sdk_sqs::Client, queues: &rowq::sqs::QueuePair
 /// send too little per statement to show a stall on that: vendor/README.md).
 const RESULT_BYTES: usize = 400;
 
-/// `n` due no-op jobs.
-async fn backlog(pool: &PgPool, n: i64) -> Result<(), Error> {
-    backlog_of(pool, n, 0).await
+/// How many jobs a group has on average in `drain-memory-groups`: a customer's or an order's
+/// few jobs in a row, the common use of `group_key`.
+const GROUP_SIZE: i64 = 4;
+
+/// The jobs of a drain's backlog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// No-op jobs.
+    NoOp,
+    /// `echo` jobs whose payload, and so their result, is an object holding a string of this
+    /// many bytes.
+    Results(usize),
+    /// No-op jobs in groups of this many on average, each job's group drawn by a hash of its
+    /// number (the same in every run): a group's jobs spread through the backlog, each group
+    /// running one job at a time.
+    Groups(i64),
 }
 
-/// `n` due jobs: no-op ones, or with `result_bytes` > 0 `echo` jobs whose payload, and so their
-/// result, is an object holding a string of that many bytes.
-async fn backlog_of(pool: &PgPool, n: i64, result_bytes: usize) -> Result<(), Error> {
-    let (kind, payload) = match result_bytes {
-        0 => ("noop", json!({})),
-        bytes => ("echo", json!({ "pad": "x".repeat(bytes) })),
+/// `n` due no-op jobs.
+async fn backlog(pool: &PgPool, n: i64) -> Result<(), Error> {
+    backlog_of(pool, n, Shape::NoOp).await
+}
+
+/// `n` due jobs of `shape`.
+async fn backlog_of(pool: &PgPool, n: i64, shape: Shape) -> Result<(), Error> {
+    let (kind, payload, groups) = match shape {
+        Shape::NoOp => ("noop", json!({}), None),
+        Shape::Results(bytes) => ("echo", json!({ "pad": "x".repeat(bytes) }), None),
+        Shape::Groups(size) => ("noop", json!({}), Some((n / size).max(1))),
     };
-    sqlx::query("INSERT INTO rowq.jobs (kind, payload) SELECT $2, $3 FROM generate_series(1, $1)")
-        .bind(n)
-        .bind(kind)
-        .bind(payload)
-        .execute(pool)
-        .await?;
+    sqlx::query(
+        "INSERT INTO rowq.jobs (kind, payload, group_key)
+         SELECT $2, $3, 'g' || abs(hashint4(i::int) % $4) FROM generate_series(1, $1) i",
+    )
+    .bind(n)
+    .bind(kind)
+    .bind(payload)
+    .bind(groups)
+    .execute(pool)
+    .await?;
     sqlx::query("VACUUM ANALYZE rowq.jobs").execute(pool).await?;
     Ok(())
 }
@@ -993,10 +1018,10 @@ async fn group_backlog(settings: &Settings) -> Result<Value, Error> {
     }))
 }
 
-/// The in-memory drain of no-op jobs, or of jobs returning `result_bytes` each.
-async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value, Error> {
+/// The in-memory drain of a backlog of `shape`.
+async fn drain_memory(settings: &Settings, shape: Shape) -> Result<Value, Error> {
     let (pool, url) = database(settings, "drain_mem").await?;
-    backlog_of(&pool, settings.n, result_bytes).await?;
+    backlog_of(&pool, settings.n, shape).await?;
     let scheduler = Arc::new(
         scheduler(scheduler_config(settings, &url, "memory://jobs.fifo"), Arc::new(MemoryPublisher::new())).await?,
     );
@@ -1014,7 +1039,23 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
     // Every message acknowledged must be a job recorded as succeeded, or the rate means nothing;
     // and an echo job's result must be its payload, or the results were not what was measured.
     wait_until_succeeded(&pool, settings.n, Duration::ZERO).await?;
-    if result_bytes > 0 {
+    if let Shape::Groups(_) = shape {
+        // A group's jobs run one at a time, in id order, or the rate means nothing.
+        let overlapping: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (
+                 SELECT started_at, lag(finished_at) OVER (PARTITION BY group_key ORDER BY id) AS before
+                 FROM rowq.jobs WHERE group_key IS NOT NULL) jobs
+             WHERE started_at < before",
+        )
+        .fetch_one(&pool)
+        .await?;
+        if overlapping > 0 {
+            return Err(
+                format!("{overlapping} grouped jobs started before the job before them in their group ended").into()
+            );
+        }
+    }
+    if let Shape::Results(_) = shape {
         let wrong: i64 = sqlx::query_scalar("SELECT count(*) FROM rowq.jobs WHERE result IS DISTINCT FROM payload")
             .fetch_one(&pool)
             .await?;
@@ -1025,7 +1066,9 @@ async fn drain_memory(settings: &Settings, result_bytes: usize) -> Result<Value,
     pipeline.stop().await?;
     drop_database(pool, &url).await;
     Ok(json!({
-        "workload": if result_bytes == 0 { "drain" } else { "drain-results" }, "result_bytes": result_bytes,
+        "workload": match shape { Shape::NoOp => "drain", Shape::Results(_) => "drain-results", Shape::Groups(_) => "drain-groups" },
+        "result_bytes": match shape { Shape::Results(bytes) => bytes, _ => 0 },
+        "group_size": match shape { Shape::Groups(size) => size, _ => 0 },
         "transport": "memory", "jobs_per_s": throughput, "pollers": settings.c,
         "cpu_us_per_job": cpu_us, "client_cpu_us_per_job": client_cpu_us,
         "wal_bytes_per_job": wal_bytes,
@@ -1513,6 +1556,7 @@ fn report(results: &[Value]) {
     let raw = find(raw_localstack, "messages_per_s");
     let drain_mem = find(drain_memory, "jobs_per_s");
     let drain_results = find(Of("drain-results", Some("memory")), "jobs_per_s");
+    let drain_groups = find(Of("drain-groups", Some("memory")), "jobs_per_s");
     let drain_ls = find(drain_localstack, "jobs_per_s");
     let lat_mem = find(latency_memory, "p50_ms");
     let lat_ls = find(Of("latency", Some("localstack")), "p50_ms");
@@ -1556,6 +1600,10 @@ fn report(results: &[Value]) {
     line(
         &format!("drain, in-memory, {RESULT_BYTES}-byte results"),
         format!("{:.0} jobs/s", f(&drain_results, "jobs_per_s")),
+    );
+    line(
+        &format!("drain, in-memory, groups of ~{GROUP_SIZE}; WAL per job"),
+        format!("{:.0} jobs/s; {:.0} B", f(&drain_groups, "jobs_per_s"), f(&drain_groups, "wal_bytes_per_job")),
     );
     let group = find(Of("group-backlog", None), "claim_after_ms");
     line(
