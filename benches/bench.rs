@@ -6,9 +6,10 @@
 //! (1000), BENCH_RATE (inserts per second for latency, 100), BENCH_PAIRS (how many times each
 //! paired workload runs alternating with its floor: [`PAIRED`]), BENCH_ONLY (comma-separated
 //! workloads: enqueue, sql-floor, dispatch-memory, drain-memory, drain-memory-results,
-//! drain-memory-groups, group-backlog, latency-floor, latency-memory, raw-localstack, dispatch-localstack, drain-localstack,
-//! latency-localstack; default all), BENCH_HOLD (1: a transaction stays open all run, so no row
-//! version left by any workload can be cleaned up meanwhile: `common::open_transaction`),
+//! drain-memory-groups, group-backlog, latency-floor, latency-memory, raw-localstack,
+//! dispatch-localstack, drain-localstack, latency-localstack; default all), BENCH_HOLD (1: a
+//! transaction stays open all run, so no row version left by any workload can be cleaned up
+//! meanwhile: `common::open_transaction`),
 //! BENCH_LOCALSTACK_PAIR_S (a LocalStack pair slower than this is not run again:
 //! [`LOCALSTACK_PAIR_BUDGET_S`]), BENCH_FLOOR_STEPS (2: the latency floor takes the protocol's
 //! two steps and is read at both, [`LatencyFloor`]; 1: it takes only the claim, as it did
