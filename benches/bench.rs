@@ -1042,14 +1042,7 @@ async fn drain_memory(settings: &Settings, shape: Shape) -> Result<Value, Error>
     wait_until_succeeded(&pool, settings.n, Duration::ZERO).await?;
     if let Shape::Groups(_) = shape {
         // A group's jobs run one at a time, in id order, or the rate means nothing.
-        let overlapping: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM (
-                 SELECT started_at, lag(finished_at) OVER (PARTITION BY group_key ORDER BY id) AS before
-                 FROM rowq.jobs WHERE group_key IS NOT NULL) jobs
-             WHERE started_at < before",
-        )
-        .fetch_one(&pool)
-        .await?;
+        let overlapping: i64 = sqlx::query_scalar(common::GROUP_JOBS_OUT_OF_ORDER_SQL).fetch_one(&pool).await?;
         if overlapping > 0 {
             return Err(
                 format!("{overlapping} grouped jobs started before the job before them in their group ended").into()

@@ -493,12 +493,7 @@ async fn check_invariants(
     checks.push(("no job has more effects than attempts", over == 0, format!("{over} jobs")));
     // A group's next job is claimed only once the one before it has ended, so every execution of
     // it starts after that end.
-    let overlapping = count(
-        "SELECT count(*) FROM (SELECT started_at, lag(finished_at) OVER (PARTITION BY group_key ORDER BY id) AS before
-                               FROM rowq.jobs WHERE group_key IS NOT NULL) AS g
-         WHERE started_at < before",
-    )
-    .await?;
+    let overlapping = count(common::GROUP_JOBS_OUT_OF_ORDER_SQL).await?;
     let grouped = count("SELECT count(*) FROM rowq.jobs WHERE group_key IS NOT NULL").await?;
     checks.push((
         "the jobs of each group ran one at a time, in id order",

@@ -1808,15 +1808,7 @@ async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
     for poller in pollers {
         poller.await.unwrap();
     }
-    let overlapping: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (
-             SELECT started_at, lag(finished_at) OVER (PARTITION BY group_key ORDER BY id) AS before
-             FROM rowq.jobs) jobs
-         WHERE started_at < before",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let overlapping: i64 = sqlx::query_scalar(common::GROUP_JOBS_OUT_OF_ORDER_SQL).fetch_one(&pool).await.unwrap();
     assert_eq!(overlapping, 0, "jobs of a group ran side by side or out of order");
 }
 

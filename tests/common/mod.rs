@@ -326,6 +326,15 @@ pub async fn drop_databases_of_gone_runs(prefix: &str) -> Vec<String> {
     dropped
 }
 
+/// How many jobs with a `group_key` started before the job before them in their group (by id)
+/// ended: a group runs one job at a time, in id order, so anything but 0 is a broken group. For
+/// a table whose jobs have all finished; one row, one `bigint`.
+pub const GROUP_JOBS_OUT_OF_ORDER_SQL: &str = "
+    SELECT count(*) FROM (
+        SELECT started_at, lag(finished_at) OVER (PARTITION BY group_key ORDER BY id) AS before
+        FROM rowq.jobs WHERE group_key IS NOT NULL) AS grouped
+    WHERE started_at < before";
+
 /// Settings that open a pool of rowq's own (`rowq::store::connect*`) on the test's database.
 pub fn own_database_config(pool: &PgPool, pool_size: u32) -> DatabaseConfig {
     DatabaseConfig { url: url_of(pool), pool_size, secret_arn: None }
