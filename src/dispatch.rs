@@ -101,7 +101,15 @@ pub struct Scheduler<P> {
     /// backlog not yet set aside. A claim reads past every such job it does not set aside, so
     /// claiming beside the setting aside would read the rest of the backlog again at every step
     /// (docs/DESIGN.md, 36).
-    set_aside_only: AtomicU32,
+    set_aside_window: AtomicU32,
+}
+
+/// What one claim asked for ([`Scheduler::claim`]): the rows it was allowed to take, and how many
+/// claimable jobs it read to set aside those behind their group (0: as many as it could take).
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    allowed: u32,
+    window: u32,
 }
 
 /// A token bucket of claimed rows for `ROWQ_MAX_DISPATCH_RATE`. It holds a tenth of a
@@ -202,7 +210,7 @@ impl<P: Publisher> Scheduler<P> {
             metrics_report: NotBefore::default(),
             rate,
             health,
-            set_aside_only: AtomicU32::new(0),
+            set_aside_window: AtomicU32::new(0),
         }
     }
 
@@ -264,12 +272,12 @@ impl<P: Publisher> Scheduler<P> {
                 break;
             }
             tokio::select! {
-                Some((returned, claim, allowed)) = OptionFuture::from(claiming.as_mut().as_pin_mut()), if claiming.is_some() => {
+                Some((returned, claim, asked)) = OptionFuture::from(claiming.as_mut().as_pin_mut()), if claiming.is_some() => {
                     claiming.set(None);
                     self.health.beat();
                     listener = returned;
                     match claim {
-                        Ok(claim) => unsent.extend(self.claimed(claim, allowed, &mut report)),
+                        Ok(claim) => unsent.extend(self.claimed(claim, asked, &mut report)),
                         Err(source) => error = Some(self.db_error("claim due jobs", source)),
                     }
                 }
@@ -293,14 +301,15 @@ impl<P: Publisher> Scheduler<P> {
     }
 
     /// One claim, on the listener's connection when there is one, which it hands back, with
-    /// the rows it was allowed to take: a batch, or fewer under `ROWQ_MAX_DISPATCH_RATE`. Allowed
-    /// none, it still runs (`LIMIT 0`), so that what it reports, the pause included, is read.
+    /// what it asked for: the rows it was allowed to take (a batch, or fewer under
+    /// `ROWQ_MAX_DISPATCH_RATE`) and its set-aside window. Allowed none, it still runs (`LIMIT
+    /// 0`), so that what it reports, the pause included, is read.
     async fn claim<'l>(
         &self,
         listener: Option<&'l mut PgListener>,
-    ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>, u32) {
+    ) -> (Option<&'l mut PgListener>, Result<Claim, sqlx::Error>, Asked) {
         let (queue, cap, lease) = (&self.config.queue, self.config.max_in_flight, self.config.dispatch_lease);
-        let window = self.set_aside_only.load(Ordering::Relaxed);
+        let window = self.set_aside_window.load(Ordering::Relaxed);
         let batch = match window {
             0 => self.rate.as_ref().map_or(self.config.claim_batch, |rate| rate.take(self.config.claim_batch)),
             _ => 0,
@@ -316,12 +325,13 @@ impl<P: Publisher> Scheduler<P> {
         if let (Some(rate), Err(_)) = (&self.rate, &claim) {
             rate.give_back(batch);
         }
-        (listener, claim, batch)
+        (listener, claim, Asked { allowed: batch, window })
     }
 
-    /// Adds a claim that was `allowed` so many rows to the report; returns its rows as the
-    /// messages to send, in batches.
-    fn claimed(&self, claim: Claim, allowed: u32, report: &mut DispatchReport) -> Vec<Vec<Outgoing>> {
+    /// Adds a claim that `asked` so much to the report; returns its rows as the messages to send,
+    /// in batches.
+    fn claimed(&self, claim: Claim, asked: Asked, report: &mut DispatchReport) -> Vec<Vec<Outgoing>> {
+        let Asked { allowed, window } = asked;
         let cap = self.config.max_in_flight;
         let jobs = claim.jobs;
         report.claimed += jobs.len();
@@ -330,7 +340,6 @@ impl<P: Publisher> Scheduler<P> {
         let set_aside = usize::try_from(claim.set_aside).unwrap_or(0);
         report.set_aside += set_aside;
         // What the claim read to set aside: its window, or as many rows as it could take.
-        let window = self.set_aside_only.load(Ordering::Relaxed);
         let only = window > 0;
         let read = match window {
             0 => {
@@ -344,7 +353,7 @@ impl<P: Publisher> Scheduler<P> {
             true => read.saturating_mul(4).clamp(least, most),
             false => 0,
         };
-        self.set_aside_only.store(next, Ordering::Relaxed);
+        self.set_aside_window.store(next, Ordering::Relaxed);
         // And one that only set aside claimed nothing: a claim follows it at once.
         report.full = jobs.len() == self.config.claim_batch as usize || set_aside > 0 || only;
         if set_aside > 0 {
