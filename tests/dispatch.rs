@@ -1778,21 +1778,14 @@ async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
     let (scheduler, stop, running) = spawn_run(Scheduler::new(pool.clone(), MemoryPublisher::new(), config), false);
     let worker = Arc::new(Worker::new(pool.clone(), Registry::builtin(), common::worker_config()));
     let pollers: Vec<JoinHandle<()>> = (0..8)
-        .map(|poller| {
+        .map(|_| {
             let (scheduler, worker, mut stopped) = (scheduler.clone(), worker.clone(), stop.subscribe());
             tokio::spawn(async move {
                 while !*stopped.borrow_and_update() {
-                    let mut event = SqsEvent::default();
-                    for (i, outgoing) in
-                        scheduler.publisher().receive(10, Duration::from_millis(50)).await.into_iter().enumerate()
-                    {
-                        let mut record = SqsMessage::default();
-                        record.message_id = Some(format!("{poller}-{}-{i}", outgoing.dedup_id));
-                        record.body = Some(outgoing.message.encode());
-                        event.records.push(record);
-                    }
-                    if !event.records.is_empty() {
-                        worker.handle_batch(event, Instant::now() + Duration::from_secs(30)).await;
+                    let sent = scheduler.publisher().receive(10, Duration::from_millis(50)).await;
+                    if !sent.is_empty() {
+                        let deadline = Instant::now() + Duration::from_secs(30);
+                        worker.handle_batch(common::event(common::records_of(&sent)), deadline).await;
                     }
                 }
             })

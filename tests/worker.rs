@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
+use common::{event, record, records_of};
 use rowq::store::admin::{self, NewJob};
 use rowq::store::dispatch::claim_due;
 use rowq::store::kept::KeptConnections;
@@ -36,14 +37,6 @@ fn worker(pool: &PgPool) -> Worker {
     Worker::new(pool.clone(), registry(), common::worker_config())
 }
 
-fn record(message_id: &str, group: &str, body: String) -> SqsMessage {
-    let mut record = SqsMessage::default();
-    record.message_id = Some(message_id.to_string());
-    record.body = Some(body);
-    record.attributes.insert("MessageGroupId".into(), group.into());
-    record
-}
-
 /// `record` as SQS delivers it the `receives`th time.
 fn received(mut record: SqsMessage, receives: u32) -> SqsMessage {
     record.attributes.insert(rowq::worker::RECEIVE_COUNT_ATTRIBUTE.into(), receives.to_string());
@@ -54,17 +47,6 @@ fn received(mut record: SqsMessage, receives: u32) -> SqsMessage {
 /// `receives`th time.
 fn delivered(jobs: &[JobId], receives: u32) -> Vec<SqsMessage> {
     jobs.iter().map(|&id| received(record(&id.to_string(), &id.to_string(), message(id, 1)), receives)).collect()
-}
-
-/// The records SQS would deliver for the messages a scheduler sent.
-fn records_of(sent: &[rowq::sqs::Outgoing]) -> Vec<SqsMessage> {
-    sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect()
-}
-
-fn event(records: Vec<SqsMessage>) -> SqsEvent {
-    let mut event = SqsEvent::default();
-    event.records = records;
-    event
 }
 
 fn message(id: JobId, generation: i64) -> String {

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::config::{Credentials, Region};
 use rowq::config::{DatabaseConfig, SchedulerConfig, WorkerConfig};
@@ -324,6 +325,27 @@ pub async fn drop_databases_of_gone_runs(prefix: &str) -> Vec<String> {
         }
     }
     dropped
+}
+
+/// A record as SQS delivers it: `message_id`, its message group and `body`.
+pub fn record(message_id: &str, group: &str, body: String) -> SqsMessage {
+    let mut record = SqsMessage::default();
+    record.message_id = Some(message_id.to_string());
+    record.body = Some(body);
+    record.attributes.insert("MessageGroupId".into(), group.into());
+    record
+}
+
+/// The records SQS would deliver for the messages a scheduler sent.
+pub fn records_of(sent: &[rowq::sqs::Outgoing]) -> Vec<SqsMessage> {
+    sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect()
+}
+
+/// A Lambda event of `records`.
+pub fn event(records: Vec<SqsMessage>) -> SqsEvent {
+    let mut event = SqsEvent::default();
+    event.records = records;
+    event
 }
 
 /// How many jobs with a `group_key` started before the job before them in their group (by id)
