@@ -25,7 +25,7 @@ use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent
 use lambda_runtime::Diagnostic;
 use rand::Rng;
 use sqlx::PgPool;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::combine::{self, Combiner};
 use crate::config::WorkerConfig;
@@ -73,6 +73,29 @@ pub struct Worker {
     lanes: [OnceLock<Combiner<Step, Done>>; LANES],
     /// The connections the lanes' statements keep between them, shared by the lanes.
     kept: Arc<KeptConnections>,
+    /// The schedulers' wake-up after a job of a group ended, sent from a task of its own for
+    /// the batches of a process that holds several at once ([`GroupWake::Background`]),
+    /// started by the first such wake.
+    group_waker: OnceLock<mpsc::Sender<()>>,
+}
+
+/// How a batch wakes the schedulers once a job of a group has ended (its group's next job may
+/// go, and that sends no `NOTIFY` of its own).
+///
+/// A Lambda instance sends the wake itself, before the batch's answer: the environment may be
+/// frozen as soon as the answer is sent, and a wake left to another task could wait there for
+/// the next invocation, its group with it. A process holding several batches at once (the
+/// local event source's pollers, `rowq work`) lives on between them, and hands the wake to a
+/// task of the worker's ([`Worker::wake_for_groups`]): awaited by the batch, its round trip
+/// came between the finish and the poller's next batch, which then missed the statement that
+/// would have carried its fence with another batch's finish. In-memory drain of 20,000 jobs in
+/// groups of about four, five pairs in turns: 10.8–14.7k jobs/s against 8.8–12.0k, the wakes
+/// 2,003 → 492 and the fences and finishes sent apart 466 → 74 (docs/benchmarks-log.md, round
+/// 47).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GroupWake {
+    Await,
+    Background,
 }
 
 /// A record this worker will act on.
@@ -136,7 +159,36 @@ impl Worker {
     pub fn new(pool: PgPool, registry: Registry, config: WorkerConfig) -> Self {
         let most = combine::STATEMENTS_IN_FLIGHT * LANES;
         let kept = Arc::new(KeptConnections::new(pool.clone(), most, kept::KEEP_FOR));
-        Worker { pool, registry, config, lanes: Default::default(), kept }
+        Worker { pool, registry, config, lanes: Default::default(), kept, group_waker: OnceLock::new() }
+    }
+
+    /// Wakes the schedulers for the next job of a group whose job ended, as `wake` says. The
+    /// worker's task sends one `NOTIFY` at a time, and a wake asked for while one is on its way
+    /// is sent after it (one for all such: each comes after every commit it is for). The task
+    /// ends with the worker.
+    async fn wake_for_groups(&self, wake: GroupWake) {
+        let wake_now = |pool: PgPool| async move {
+            if let Err(error) = crate::store::wake_schedulers(&pool, "group").await {
+                tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
+            }
+        };
+        match wake {
+            GroupWake::Await => wake_now(self.pool.clone()).await,
+            GroupWake::Background => {
+                let waker = self.group_waker.get_or_init(|| {
+                    let (wanted, mut wants) = mpsc::channel::<()>(1);
+                    let pool = self.pool.clone();
+                    tokio::spawn(async move {
+                        while wants.recv().await.is_some() {
+                            wake_now(pool.clone()).await;
+                        }
+                    });
+                    wanted
+                });
+                // Full: a wake not yet sent, which goes after this batch's commit too.
+                let _ = waker.try_send(());
+            }
+        }
     }
 
     /// The combiner of `poller`'s lane, started (a task on the current Tokio runtime) by the
@@ -177,7 +229,9 @@ impl Worker {
     /// source) takes its next batch then: its fence can meet this batch's finish in the
     /// combiner, one statement and one commit for both, and no more than one batch of its
     /// handlers runs at a time. `poller` names who delivered the batch: each poller's batches
-    /// use the statements of its own lane ([`LANES`]).
+    /// use the statements of its own lane ([`LANES`]). With `ran` the process lives on between
+    /// batches, and the schedulers' wake after a job of a group ended is sent by a task of the
+    /// worker's, not awaited by the batch ([`GroupWake`]).
     pub async fn handle_batch_then(
         &self,
         event: SqsEvent,
@@ -192,6 +246,7 @@ impl Worker {
             return batch_response(Vec::new()); // nothing to fence: no lane is started for it
         }
         let steps = self.lane(poller);
+        let wake = if ran.is_some() { GroupWake::Background } else { GroupWake::Await };
         let mut failures: Vec<String> = Vec::new();
         let mut cursors = vec![0usize; groups.len()];
         let mut failed_groups = vec![false; groups.len()];
@@ -211,7 +266,7 @@ impl Worker {
             }
             let last = groups.iter().enumerate().all(|(g, records)| failed_groups[g] || cursors[g] >= records.len());
             let ran = if last { ran.take() } else { None };
-            for failed in self.run_round(steps, &round, deadline, ran, &mut tally).await {
+            for failed in self.run_round(steps, &round, deadline, ran, wake, &mut tally).await {
                 failed_groups[failed] = true;
             }
         }
@@ -248,6 +303,7 @@ impl Worker {
         round: &[(usize, Record)],
         deadline: Instant,
         mut ran: Option<oneshot::Sender<()>>,
+        wake: GroupWake,
         tally: &mut Tally,
     ) -> Vec<usize> {
         let every_group = || round.iter().map(|(g, _)| *g).collect();
@@ -300,9 +356,9 @@ impl Worker {
             }
         };
         say_ran(later.is_empty());
-        let mut failed_records = self.record_outcomes(steps, executions, tally).await;
+        let mut failed_records = self.record_outcomes(steps, executions, wake, tally).await;
         let later = later.into_iter().map(|(_, record)| record.clone()).collect();
-        failed_records.extend(self.run_one_at_a_time(steps, later, deadline, say_ran, tally).await);
+        failed_records.extend(self.run_one_at_a_time(steps, later, deadline, say_ran, wake, tally).await);
         failed_records.iter().filter_map(|id| group_of.get(id).copied()).collect()
     }
 
@@ -346,6 +402,7 @@ impl Worker {
         mut taken_over: Vec<Record>,
         deadline: Instant,
         mut say_ran: impl FnMut(bool),
+        wake: GroupWake,
         tally: &mut Tally,
     ) -> Vec<String> {
         let mut failed = Vec::new();
@@ -364,7 +421,7 @@ impl Worker {
             let execution = self.take_over(steps, record, deadline, &mut failed, tally).await;
             say_ran(i == last);
             if let Some(execution) = execution {
-                failed.extend(self.record_outcomes(steps, vec![execution], tally).await);
+                failed.extend(self.record_outcomes(steps, vec![execution], wake, tally).await);
             }
         }
         failed
@@ -475,12 +532,14 @@ impl Worker {
         kinds.join(", ")
     }
 
-    /// Records the outcomes not yet recorded in one statement, and logs and counts every outcome.
-    /// Returns the message ids whose outcome could not be recorded.
+    /// Records the outcomes not yet recorded in one statement, and logs and counts every outcome;
+    /// wakes the schedulers, as `wake` says, when a job of a group ended. Returns the message ids
+    /// whose outcome could not be recorded.
     async fn record_outcomes(
         &self,
         steps: &Combiner<Step, Done>,
         executions: Vec<Execution>,
+        wake: GroupWake,
         tally: &mut Tally,
     ) -> Vec<String> {
         let mut failed = Vec::new();
@@ -523,8 +582,8 @@ impl Worker {
         }
         let group_moved =
             finished.iter().any(|e| e.job.group_key.is_some() && !matches!(e.outcome, Outcome::RetryLater { .. }));
-        if group_moved && let Err(error) = crate::store::wake_schedulers(&self.pool, "group").await {
-            tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
+        if group_moved {
+            self.wake_for_groups(wake).await;
         }
         failed
     }

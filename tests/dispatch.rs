@@ -766,15 +766,17 @@ async fn a_resume_by_plain_sql_wakes_a_paused_scheduler_which_logs_the_pause_onc
 }
 
 /// A group's next job may go once its head ends, and that sends no `NOTIFY` of its own:
-/// however the head ends (the worker finishes it, an operator cancels it, the DLQ or a rescue
-/// fails it), the schedulers are woken, and an idle one dispatches the next job at once. A
+/// however the head ends (the worker finishes it, in a Lambda's batch or in a batch of a process
+/// that holds several, whose wake a task of the worker's sends; an operator cancels it, the DLQ
+/// or a rescue fails it), the schedulers are woken, and an idle one dispatches the next job at
+/// once. A
 /// head the DLQ sends back unstarted (its message dead-lettered before a worker started it) is
 /// dispatched again at once, and its group's next job waits.
 #[tokio::test]
 async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     let pool = common::database().await;
     let mut groups = Vec::new();
-    for group in ["finished", "cancelled", "dead-lettered", "rescued", "unstarted"] {
+    for group in ["finished", "finished-by-a-poller", "cancelled", "dead-lettered", "rescued", "unstarted"] {
         groups.push((enqueue_with(&pool, group_job(group, 1)).await, enqueue_with(&pool, group_job(group, 2)).await));
     }
     let (stop, running) = spawn_idle_scheduler(&pool);
@@ -790,12 +792,19 @@ async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
         event.records = vec![record];
         event
     };
-    let [finished, cancelled, dead_lettered, rescued, unstarted] = groups.try_into().unwrap();
+    let [finished, by_a_poller, cancelled, dead_lettered, rescued, unstarted] = groups.try_into().unwrap();
 
     let worker = Worker::new(pool.clone(), Registry::builtin(), common::worker_config());
     let response = worker.handle_batch(message(finished.0), Instant::now() + Duration::from_secs(30)).await;
     assert!(response.batch_item_failures.is_empty());
     wait_dispatched(&pool, finished.1, "the next job after its head succeeded").await;
+
+    let (ran, handlers_returned) = tokio::sync::oneshot::channel();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let response = worker.handle_batch_then(message(by_a_poller.0), deadline, 1, Some(ran)).await;
+    assert!(response.batch_item_failures.is_empty());
+    assert!(handlers_returned.await.is_ok());
+    wait_dispatched(&pool, by_a_poller.1, "the next job after its head succeeded in a poller's batch").await;
 
     assert!(admin::cancel(&pool, cancelled.0).await.unwrap().is_some());
     wait_dispatched(&pool, cancelled.1, "the next job after its head was cancelled").await;
@@ -830,7 +839,7 @@ async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     wait_dispatched(&pool, rescued.1, "the next job after a rescue failed its head").await;
 
     stop.send(true).unwrap();
-    assert_eq!(running.await.unwrap().published, 10);
+    assert_eq!(running.await.unwrap().published, 12);
 }
 
 #[tokio::test]
