@@ -1077,6 +1077,29 @@ async fn the_claim_alone_commits_without_waiting_for_the_disk() {
     assert_eq!(after, "on", "the claim changed the setting for the rest of the session");
 }
 
+/// The schedulers' wake-up (after a group's job ended, a rescue) is a transaction of its own
+/// that does not wait for the disk either, and leaves the session's setting as it was: the
+/// fences and finishes that run on the same connections must wait for it.
+#[tokio::test]
+async fn a_wake_of_the_schedulers_commits_without_waiting_for_the_disk_and_reaches_them() {
+    // Two connections: the listener's, and one for everything else.
+    let pool = common::database_with(2).await;
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await.unwrap();
+    listener.listen(rowq::store::NOTIFY_CHANNEL).await.unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(rowq::store::WAKE_SQL).bind("elsewhere").bind("group").execute(&mut *tx).await.unwrap();
+    let inside: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(inside, "off", "the wake's transaction waits for its WAL to reach the disk");
+    tx.rollback().await.unwrap();
+
+    rowq::store::wake_schedulers(&pool, "group").await.unwrap();
+    let after: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&pool).await.unwrap();
+    assert_eq!(after, "on", "the wake changed the setting for the rest of the session");
+    let notification = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await.unwrap().unwrap();
+    assert_eq!(notification.payload(), "group");
+}
+
 #[tokio::test]
 async fn one_statement_claims_and_tells_when_the_next_delayed_job_is_due() {
     let pool = common::database().await;

@@ -653,7 +653,7 @@ async fn commit_waking(
     why: Option<&str>,
 ) -> Result<(), sqlx::Error> {
     if let Some(why) = why {
-        super::wake_schedulers(&mut *transaction, why).await?;
+        super::wake_schedulers_at_commit(&mut transaction, why).await?;
     }
     transaction.commit().await
 }

@@ -82,12 +82,30 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
 pub const NOTIFY_CHANNEL: &str = "rowq_jobs";
 
 /// Wakes the waiting schedulers, as an insert does, where rows may have become claimable
-/// without one: a group's head finished (`why` = `group`), a rescue put rows back to `pending`
-/// (`rescued`), an operator retried failed jobs (`retried`). Inside a transaction the
-/// notification goes out when it commits, and not at all if it rolls back. A scheduler that
-/// is not listening finds the rows at its next poll.
-pub async fn wake_schedulers<'e>(executor: impl PgExecutor<'e>, why: &str) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(why).execute(executor).await.map(|_| ())
+/// without one, after the statement that made them so has committed: a group's head finished
+/// (`why` = `group`), a rescue put rows back to `pending` (`rescued`). A scheduler that is not
+/// listening finds the rows at its next poll.
+///
+/// The notification is a transaction of its own, committed asynchronously (`synchronous_commit`
+/// off for it alone): a transaction that notifies takes an id and writes a commit record, and it
+/// holds the server's notification lock, one for every database, from before its commit until
+/// after it, so that notifications queue in commit order. Waiting for its flush held up every
+/// other notifying commit meanwhile, each enqueue's among them (the insert trigger's), and the
+/// wake itself, for a transaction that writes nothing: lost in a crash, it is a wake-up lost,
+/// and the schedulers poll. The listeners read it as soon as it commits, flushed or not.
+pub async fn wake_schedulers(pool: &PgPool, why: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(WAKE_SQL).bind(NOTIFY_CHANNEL).bind(why).execute(pool).await.map(|_| ())
+}
+
+/// The statement of [`wake_schedulers`] (public so that a test can run it inside a transaction).
+pub const WAKE_SQL: &str = "SELECT pg_notify($1, $2), set_config('synchronous_commit', 'off', true)";
+
+/// [`wake_schedulers`] inside `transaction`: the notification goes out when it commits (as it
+/// commits, synchronously or not), and not at all if it rolls back. For an operator's
+/// transition that made rows claimable: a retried job is due at once, a group's next job may go
+/// once its head is cancelled.
+pub async fn wake_schedulers_at_commit(transaction: &mut sqlx::PgConnection, why: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(why).execute(transaction).await.map(|_| ())
 }
 
 /// Opens a pool of `session`'s connections ([`connect_scheduler`] opens the scheduler's).
