@@ -769,9 +769,8 @@ async fn a_resume_by_plain_sql_wakes_a_paused_scheduler_which_logs_the_pause_onc
 /// however the head ends (the worker finishes it, in a Lambda's batch or in a batch of a process
 /// that holds several, whose wake a task of the worker's sends; an operator cancels it, the DLQ
 /// or a rescue fails it), the schedulers are woken, and an idle one dispatches the next job at
-/// once. A
-/// head the DLQ sends back unstarted (its message dead-lettered before a worker started it) is
-/// dispatched again at once, and its group's next job waits.
+/// once. A head the DLQ sends back unstarted (its message dead-lettered before a worker started
+/// it) is dispatched again at once, and its group's next job waits.
 #[tokio::test]
 async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     let pool = common::database().await;
