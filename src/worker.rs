@@ -76,7 +76,39 @@ pub struct Worker {
     /// The schedulers' wake-up after a job of a group ended, sent from a task of its own for
     /// the batches of a process that holds several at once ([`GroupWake::Background`]),
     /// started by the first such wake.
-    group_waker: OnceLock<mpsc::Sender<()>>,
+    group_waker: OnceLock<Coalesced>,
+}
+
+/// A task that runs an action each time it is asked to, one run at a time, folding the asks
+/// that come while a run is on its way into one more run after it: every ask is followed by a
+/// run that starts after it, and a burst of asks costs at most two. The task ends when this is
+/// dropped.
+struct Coalesced {
+    asks: mpsc::Sender<()>,
+}
+
+impl Coalesced {
+    /// Starts the task (on the current Tokio runtime), which runs `action` when asked.
+    fn spawn<F, Fut>(action: F) -> Self
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        // One ask waiting at most: a run not yet begun, which starts after any later ask too.
+        let (asks, mut asked) = mpsc::channel(1);
+        tokio::spawn(async move {
+            while asked.recv().await.is_some() {
+                action().await;
+            }
+        });
+        Coalesced { asks }
+    }
+
+    /// Asks for a run, without waiting for it.
+    fn ask(&self) {
+        // Full: a run is waiting to begin, and it will begin after this ask.
+        let _ = self.asks.try_send(());
+    }
 }
 
 /// How a batch wakes the schedulers once a job of a group has ended (its group's next job may
@@ -162,31 +194,25 @@ impl Worker {
         Worker { pool, registry, config, lanes: Default::default(), kept, group_waker: OnceLock::new() }
     }
 
-    /// Wakes the schedulers for the next job of a group whose job ended, as `wake` says. The
-    /// worker's task sends one `NOTIFY` at a time, and a wake asked for while one is on its way
-    /// is sent after it (one for all such: each comes after every commit it is for). The task
-    /// ends with the worker.
+    /// Wakes the schedulers for the next job of a group whose job ended, as `wake` says: now, or
+    /// by the worker's task ([`Coalesced`]: one `NOTIFY` at a time, and one more after those
+    /// asked for while one was on its way, so that each wake comes after the commit it is for).
     async fn wake_for_groups(&self, wake: GroupWake) {
-        let wake_now = |pool: PgPool| async move {
+        async fn wake_now(pool: PgPool) {
             if let Err(error) = crate::store::wake_schedulers(&pool, "group").await {
                 tracing::warn!(error = %error, "could not notify schedulers of group progress; they will poll");
             }
-        };
+        }
         match wake {
             GroupWake::Await => wake_now(self.pool.clone()).await,
             GroupWake::Background => {
-                let waker = self.group_waker.get_or_init(|| {
-                    let (wanted, mut wants) = mpsc::channel::<()>(1);
-                    let pool = self.pool.clone();
-                    tokio::spawn(async move {
-                        while wants.recv().await.is_some() {
-                            wake_now(pool.clone()).await;
-                        }
-                    });
-                    wanted
-                });
-                // Full: a wake not yet sent, which goes after this batch's commit too.
-                let _ = waker.try_send(());
+                let pool = &self.pool;
+                self.group_waker
+                    .get_or_init(|| {
+                        let pool = pool.clone();
+                        Coalesced::spawn(move || wake_now(pool.clone()))
+                    })
+                    .ask();
             }
         }
     }
@@ -802,6 +828,40 @@ mod tests {
         let pool =
             sqlx::postgres::PgPoolOptions::new().acquire_timeout(Duration::from_millis(200)).connect_lazy(url).unwrap();
         Worker::new(pool, Registry::builtin(), config)
+    }
+
+    /// Asks that come while a run is on its way are folded into one run after it, and none is
+    /// left without a run that starts after it.
+    #[tokio::test]
+    async fn asks_during_a_run_are_folded_into_one_run_after_it() {
+        let (started, mut starts) = mpsc::unbounded_channel::<()>();
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let coalesced = Coalesced::spawn({
+            let gate = gate.clone();
+            move || {
+                let (started, gate) = (started.clone(), gate.clone());
+                async move {
+                    let _ = started.send(());
+                    gate.acquire().await.map(|permit| permit.forget()).unwrap(); // held until let through
+                }
+            }
+        });
+        let soon = Duration::from_secs(10);
+
+        coalesced.ask();
+        tokio::time::timeout(soon, starts.recv()).await.unwrap().unwrap();
+        for _ in 0..5 {
+            coalesced.ask(); // while the first run is on its way
+        }
+        gate.add_permits(1);
+        tokio::time::timeout(soon, starts.recv()).await.expect("the asks during a run got no run after it").unwrap();
+        gate.add_permits(1);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(starts.try_recv().is_err(), "five asks during a run made more than one run after it");
+
+        coalesced.ask();
+        gate.add_permits(1);
+        tokio::time::timeout(soon, starts.recv()).await.expect("an ask after a quiet moment got no run").unwrap();
     }
 
     #[tokio::test]
