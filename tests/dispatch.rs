@@ -7,7 +7,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
 use rowq::dispatch::RunTotals;
 use rowq::sqs::{MemoryPublisher, Publisher, SqsPublisher};
 use rowq::store::admin::{self, NewJob};
@@ -784,12 +783,7 @@ async fn every_way_a_groups_head_ends_wakes_the_schedulers_for_its_next_job() {
     }
     tokio::time::sleep(Duration::from_millis(200)).await; // nothing else is due: idle
     let message = |id: JobId| {
-        let mut record = SqsMessage::default();
-        record.message_id = Some(format!("message-{id}"));
-        record.body = Some(JobMessage::new(id, 1).encode());
-        let mut event = SqsEvent::default();
-        event.records = vec![record];
-        event
+        common::event(vec![common::record(&format!("message-{id}"), &id.to_string(), JobMessage::new(id, 1).encode())])
     };
     let [finished, by_a_poller, cancelled, dead_lettered, rescued, unstarted] = groups.try_into().unwrap();
 
