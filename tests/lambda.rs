@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
+use aws_lambda_events::event::sqs::SqsEvent;
 use rowq::config::DatabaseConfig;
 use rowq::store::dispatch::claim_due;
 use rowq::store::run::{StartRequest, start};
@@ -139,19 +139,7 @@ fn function(binary: &str, api: &RuntimeApi, database_url: &str) -> Child {
 
 /// An SQS event of `records`: (message id, body), all in one message group, each received 5 times.
 fn event(records: &[(&str, String)]) -> SqsEvent {
-    let mut event = SqsEvent::default();
-    event.records = records
-        .iter()
-        .map(|(id, body)| {
-            let mut record = SqsMessage::default();
-            record.message_id = Some(id.to_string());
-            record.body = Some(body.clone());
-            record.attributes.insert("MessageGroupId".into(), "g".into());
-            record.attributes.insert("ApproximateReceiveCount".into(), "5".into());
-            record
-        })
-        .collect();
-    event
+    common::event(records.iter().map(|(id, body)| common::received(common::record(id, "g", body.clone()), 5)).collect())
 }
 
 /// A dispatched job, started too if `started` (as a worker that died with it leaves it), and

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
+use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent};
 use rowq::event_source::{EventSource, HandlersReturned};
 use rowq::pipeline::Pipeline;
 use rowq::store::dispatch::claim_due;
@@ -387,22 +387,15 @@ async fn the_dlq_handler_fails_started_jobs_sends_unstarted_ones_back_and_leaves
         .await
         .unwrap();
 
-    let record = |id: &str, body: String| {
-        let mut record = SqsMessage::default();
-        record.message_id = Some(id.into());
-        record.body = Some(body);
-        record.attributes.insert("ApproximateReceiveCount".into(), "5".into());
-        record
-    };
-    let mut event = SqsEvent::default();
-    event.records = vec![
+    let record = |id: &str, body: String| common::received(common::record(id, "g", body), 5);
+    let event = common::event(vec![
         record("a", JobMessage::new(finished, 1).encode()),
         record("b", JobMessage::new(redispatched, 1).encode()),
         record("c", "garbage".into()),
         record("d", JobMessage::new(dead, 1).encode()),
         record("e", JobMessage::new(unstarted, 1).encode()),
         record("f", JobMessage::new(used_up, 1).encode()),
-    ];
+    ]);
     let response = dlq::handle_batch(&pool, event, None).await;
     assert!(response.batch_item_failures.is_empty());
     assert_eq!(common::job(&pool, finished).await.state, JobState::Succeeded);

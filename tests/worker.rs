@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
-use common::{event, record, records_of};
+use common::{event, received, record, records_of};
 use rowq::store::admin::{self, NewJob};
 use rowq::store::dispatch::claim_due;
 use rowq::store::kept::KeptConnections;
@@ -35,12 +35,6 @@ fn registry() -> Registry {
 
 fn worker(pool: &PgPool) -> Worker {
     Worker::new(pool.clone(), registry(), common::worker_config())
-}
-
-/// `record` as SQS delivers it the `receives`th time.
-fn received(mut record: SqsMessage, receives: u32) -> SqsMessage {
-    record.attributes.insert(rowq::worker::RECEIVE_COUNT_ATTRIBUTE.into(), receives.to_string());
-    record
 }
 
 /// The records of generation 1 of `jobs`, each in a group of its own, delivered the

@@ -336,6 +336,12 @@ pub fn record(message_id: &str, group: &str, body: String) -> SqsMessage {
     record
 }
 
+/// `record` as SQS delivers it the `receives`th time.
+pub fn received(mut record: SqsMessage, receives: u32) -> SqsMessage {
+    record.attributes.insert(rowq::worker::RECEIVE_COUNT_ATTRIBUTE.into(), receives.to_string());
+    record
+}
+
 /// The records SQS would deliver for the messages a scheduler sent.
 pub fn records_of(sent: &[rowq::sqs::Outgoing]) -> Vec<SqsMessage> {
     sent.iter().map(|out| record(&out.dedup_id, &out.group_id, out.message.encode())).collect()
