@@ -53,14 +53,19 @@ impl Pipeline {
             Arc::new(EventSource::new(client.clone(), &source.queue_url, source.wait, source.function_timeout).await?);
         let metrics = worker.metrics().cloned();
         let worker = Arc::new(worker);
-        let handler = move |event, deadline: Instant, poller, returned| {
+        let handler = {
             let worker = worker.clone();
-            async move { worker.handle_batch_then(event, deadline, poller, Some(returned)).await }
+            move |event, deadline: Instant, poller, returned| {
+                let worker = worker.clone();
+                async move { worker.handle_batch_then(event, deadline, poller, Some(returned)).await }
+            }
         };
         tasks.spawn({
             let (jobs, shutdown, pollers) = (jobs.clone(), shutdown.clone(), source.pollers);
             async move {
                 jobs.run(pollers, handler, shutdown).await;
+                // The last batches' wakes for their groups, before the process goes.
+                worker.settle().await;
                 None
             }
         });

@@ -18,6 +18,7 @@
 //!   ([`crate::metrics::Tally`]): one per kind it ran, and one of the messages it did not run.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -25,7 +26,7 @@ use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent
 use lambda_runtime::Diagnostic;
 use rand::Rng;
 use sqlx::PgPool;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::combine::{self, Combiner};
 use crate::config::WorkerConfig;
@@ -85,6 +86,10 @@ pub struct Worker {
 /// dropped.
 struct Coalesced {
     asks: mpsc::Sender<()>,
+    /// How many asks were made.
+    asked: Arc<AtomicU64>,
+    /// How many of them a finished run started after.
+    answered: watch::Receiver<u64>,
 }
 
 impl Coalesced {
@@ -95,19 +100,35 @@ impl Coalesced {
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
         // One ask waiting at most: a run not yet begun, which starts after any later ask too.
-        let (asks, mut asked) = mpsc::channel(1);
-        tokio::spawn(async move {
-            while asked.recv().await.is_some() {
-                action().await;
+        let (asks, mut waiting) = mpsc::channel(1);
+        let asked = Arc::new(AtomicU64::new(0));
+        let (answer, answered) = watch::channel(0);
+        tokio::spawn({
+            let asked = asked.clone();
+            async move {
+                while waiting.recv().await.is_some() {
+                    // Every ask counted so far was made before this run starts.
+                    let covered = asked.load(Ordering::SeqCst);
+                    action().await;
+                    answer.send_replace(covered);
+                }
             }
         });
-        Coalesced { asks }
+        Coalesced { asks, asked, answered }
     }
 
     /// Asks for a run, without waiting for it.
     fn ask(&self) {
-        // Full: a run is waiting to begin, and it will begin after this ask.
+        self.asked.fetch_add(1, Ordering::SeqCst);
+        // Full: a run is waiting to begin, and it will begin after this ask (and count it).
         let _ = self.asks.try_send(());
+    }
+
+    /// Waits until every ask made before this call has been followed by a finished run.
+    async fn flush(&self) {
+        let made = self.asked.load(Ordering::SeqCst);
+        // An error: the task is gone (it panicked), and no run will come.
+        let _ = self.answered.clone().wait_for(|&covered| covered >= made).await;
     }
 }
 
@@ -128,6 +149,16 @@ impl Coalesced {
 enum GroupWake {
     Await,
     Background,
+}
+
+/// What the rounds of one batch share.
+struct Batch<'a> {
+    /// The combiner of the batch's lane: its fences and finishes.
+    steps: &'a Combiner<Step, Done>,
+    /// When the invocation ends.
+    deadline: Instant,
+    /// How a job of a group that ended wakes the schedulers.
+    wake: GroupWake,
 }
 
 /// A record this worker will act on.
@@ -217,6 +248,15 @@ impl Worker {
         }
     }
 
+    /// Waits until the schedulers' wake-ups handed to the worker's task ([`GroupWake::Background`])
+    /// have been sent. A process that stops calls it after its last batch: a wake still waiting
+    /// there was lost with the process, and the group's next job waited for a scheduler's poll.
+    pub async fn settle(&self) {
+        if let Some(waker) = self.group_waker.get() {
+            waker.flush().await;
+        }
+    }
+
     /// The combiner of `poller`'s lane, started (a task on the current Tokio runtime) by the
     /// lane's first batch.
     fn lane(&self, poller: usize) -> &Combiner<Step, Done> {
@@ -271,8 +311,8 @@ impl Worker {
             self.print_metrics(&tally); // malformed or duplicate records, if any
             return batch_response(Vec::new()); // nothing to fence: no lane is started for it
         }
-        let steps = self.lane(poller);
         let wake = if ran.is_some() { GroupWake::Background } else { GroupWake::Await };
+        let batch = Batch { steps: self.lane(poller), deadline, wake };
         let mut failures: Vec<String> = Vec::new();
         let mut cursors = vec![0usize; groups.len()];
         let mut failed_groups = vec![false; groups.len()];
@@ -292,7 +332,7 @@ impl Worker {
             }
             let last = groups.iter().enumerate().all(|(g, records)| failed_groups[g] || cursors[g] >= records.len());
             let ran = if last { ran.take() } else { None };
-            for failed in self.run_round(steps, &round, deadline, ran, wake, &mut tally).await {
+            for failed in self.run_round(&batch, &round, ran, &mut tally).await {
                 failed_groups[failed] = true;
             }
         }
@@ -325,15 +365,13 @@ impl Worker {
     /// returned. Returns the groups that hit an infrastructure failure.
     async fn run_round(
         &self,
-        steps: &Combiner<Step, Done>,
+        batch: &Batch<'_>,
         round: &[(usize, Record)],
-        deadline: Instant,
         mut ran: Option<oneshot::Sender<()>>,
-        wake: GroupWake,
         tally: &mut Tally,
     ) -> Vec<usize> {
         let every_group = || round.iter().map(|(g, _)| *g).collect();
-        let Some(lease) = self.lease_within(deadline, round.len()) else {
+        let Some(lease) = self.lease_within(batch.deadline, round.len()) else {
             return every_group();
         };
         // Records delivered before whose jobs are `running`: take-overs, run one at a time
@@ -350,7 +388,7 @@ impl Worker {
             }
         };
         let (later, now): (Vec<_>, Vec<_>) = round.iter().partition(|(_, r)| running.contains(&r.job()));
-        let started = match steps.call(now.iter().map(|(_, r)| r.fence(lease)).collect()).await {
+        let started = match batch.steps.call(now.iter().map(|(_, r)| r.fence(lease)).collect()).await {
             Ok(done) => done.into_iter().filter_map(Done::started),
             Err(error) => {
                 crate::secret::note(&error);
@@ -367,7 +405,7 @@ impl Worker {
             match by_job.remove(&record.job()) {
                 Some(job) => {
                     log_started(&job, record, JobState::Dispatched);
-                    runs.push(self.execute((*record).clone(), job, deadline));
+                    runs.push(self.execute((*record).clone(), job, batch.deadline));
                 }
                 None => log_stale(record, tally),
             }
@@ -382,9 +420,9 @@ impl Worker {
             }
         };
         say_ran(later.is_empty());
-        let mut failed_records = self.record_outcomes(steps, executions, wake, tally).await;
+        let mut failed_records = self.record_outcomes(batch, executions, tally).await;
         let later = later.into_iter().map(|(_, record)| record.clone()).collect();
-        failed_records.extend(self.run_one_at_a_time(steps, later, deadline, say_ran, wake, tally).await);
+        failed_records.extend(self.run_one_at_a_time(batch, later, say_ran, tally).await);
         failed_records.iter().filter_map(|id| group_of.get(id).copied()).collect()
     }
 
@@ -424,11 +462,9 @@ impl Worker {
     /// Fenced one by one, a job the invocation has no time left for spends no attempt.
     async fn run_one_at_a_time(
         &self,
-        steps: &Combiner<Step, Done>,
+        batch: &Batch<'_>,
         mut taken_over: Vec<Record>,
-        deadline: Instant,
         mut say_ran: impl FnMut(bool),
-        wake: GroupWake,
         tally: &mut Tally,
     ) -> Vec<String> {
         let mut failed = Vec::new();
@@ -444,10 +480,10 @@ impl Worker {
         );
         let last = taken_over.len() - 1;
         for (i, record) in taken_over.into_iter().enumerate() {
-            let execution = self.take_over(steps, record, deadline, &mut failed, tally).await;
+            let execution = self.take_over(batch, record, &mut failed, tally).await;
             say_ran(i == last);
             if let Some(execution) = execution {
-                failed.extend(self.record_outcomes(steps, vec![execution], wake, tally).await);
+                failed.extend(self.record_outcomes(batch, vec![execution], tally).await);
             }
         }
         failed
@@ -458,19 +494,18 @@ impl Worker {
     /// failed: its message id goes to `failed`) or stale (acknowledged).
     async fn take_over(
         &self,
-        steps: &Combiner<Step, Done>,
+        batch: &Batch<'_>,
         record: Record,
-        deadline: Instant,
         failed: &mut Vec<String>,
         tally: &mut Tally,
     ) -> Option<Execution> {
-        let lease = if failed.is_empty() { self.lease_within(deadline, 1) } else { None };
+        let lease = if failed.is_empty() { self.lease_within(batch.deadline, 1) } else { None };
         let Some(lease) = lease else {
             tracing::warn!(job.id = record.message.job_id.0, sqs.message_id = %record.message_id, "not run: no time left, or the database gone; the record will be redelivered");
             failed.push(record.message_id);
             return None;
         };
-        let job = match steps.call(vec![record.fence(lease)]).await {
+        let job = match batch.steps.call(vec![record.fence(lease)]).await {
             Ok(done) => done.into_iter().find_map(Done::started),
             Err(error) => {
                 crate::secret::note(&error);
@@ -484,7 +519,7 @@ impl Worker {
             return None;
         };
         log_started(&job, &record, JobState::Running);
-        Some(self.execute(record, job, deadline).await)
+        Some(self.execute(record, job, batch.deadline).await)
     }
 
     /// Runs one started job's handler under its timeout.
@@ -559,22 +594,16 @@ impl Worker {
     }
 
     /// Records the outcomes not yet recorded in one statement, and logs and counts every outcome;
-    /// wakes the schedulers, as `wake` says, when a job of a group ended. Returns the message ids
+    /// wakes the schedulers, as the batch's `wake` says, when a job of a group ended. Returns the message ids
     /// whose outcome could not be recorded.
-    async fn record_outcomes(
-        &self,
-        steps: &Combiner<Step, Done>,
-        executions: Vec<Execution>,
-        wake: GroupWake,
-        tally: &mut Tally,
-    ) -> Vec<String> {
+    async fn record_outcomes(&self, batch: &Batch<'_>, executions: Vec<Execution>, tally: &mut Tally) -> Vec<String> {
         let mut failed = Vec::new();
         let mut finished: Vec<&Execution> = Vec::new();
         let (pending, done): (Vec<&Execution>, Vec<&Execution>) =
             executions.iter().partition(|e| matches!(e.recorded, Recorded::Pending));
 
         let finishes: Vec<Finish> = pending.iter().map(|e| finish_of(&e.job, &e.outcome)).collect();
-        match steps.call(finishes.into_iter().map(Step::Finish).collect()).await {
+        match batch.steps.call(finishes.into_iter().map(Step::Finish).collect()).await {
             Ok(done) => {
                 let recorded: HashSet<Finished> = done.into_iter().filter_map(Done::finished).collect();
                 for execution in pending {
@@ -609,7 +638,7 @@ impl Worker {
         let group_moved =
             finished.iter().any(|e| e.job.group_key.is_some() && !matches!(e.outcome, Outcome::RetryLater { .. }));
         if group_moved {
-            self.wake_for_groups(wake).await;
+            self.wake_for_groups(batch.wake).await;
         }
         failed
     }
@@ -830,20 +859,35 @@ mod tests {
         Worker::new(pool, Registry::builtin(), config)
     }
 
+    /// A [`Coalesced`] whose runs each say on the receiver returned that they started, then run
+    /// `rest`.
+    fn announcing<F, Fut>(rest: F) -> (Coalesced, mpsc::UnboundedReceiver<()>)
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let (started, starts) = mpsc::unbounded_channel();
+        let coalesced = Coalesced::spawn(move || {
+            let (started, rest) = (started.clone(), rest());
+            async move {
+                let _ = started.send(());
+                rest.await
+            }
+        });
+        (coalesced, starts)
+    }
+
     /// Asks that come while a run is on its way are folded into one run after it, and none is
     /// left without a run that starts after it.
     #[tokio::test]
     async fn asks_during_a_run_are_folded_into_one_run_after_it() {
-        let (started, mut starts) = mpsc::unbounded_channel::<()>();
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let coalesced = Coalesced::spawn({
+        let (coalesced, mut starts) = announcing({
             let gate = gate.clone();
             move || {
-                let (started, gate) = (started.clone(), gate.clone());
-                async move {
-                    let _ = started.send(());
-                    gate.acquire().await.map(|permit| permit.forget()).unwrap(); // held until let through
-                }
+                let gate = gate.clone();
+                // Held until let through.
+                async move { gate.acquire().await.map(|permit| permit.forget()).unwrap() }
             }
         });
         let soon = Duration::from_secs(10);
@@ -862,6 +906,39 @@ mod tests {
         coalesced.ask();
         gate.add_permits(1);
         tokio::time::timeout(soon, starts.recv()).await.expect("an ask after a quiet moment got no run").unwrap();
+    }
+
+    /// A flush returns once every ask made before it has been followed by a finished run: not
+    /// before, and not on the end of a run that had begun before the last ask.
+    #[tokio::test]
+    async fn a_flush_waits_for_a_finished_run_after_every_ask_before_it() {
+        let finished = Arc::new(AtomicU64::new(0));
+        let (coalesced, mut starts) = announcing({
+            let finished = finished.clone();
+            move || {
+                let finished = finished.clone();
+                async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    finished.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+        let soon = Duration::from_secs(10);
+        let runs = || finished.load(Ordering::SeqCst);
+
+        tokio::time::timeout(soon, coalesced.flush()).await.expect("a flush with nothing asked waited");
+        assert_eq!(runs(), 0);
+
+        coalesced.ask();
+        tokio::time::timeout(soon, coalesced.flush()).await.unwrap();
+        assert_eq!(runs(), 1, "the flush returned before the run after its ask had finished");
+
+        coalesced.ask();
+        tokio::time::timeout(soon, starts.recv()).await.unwrap().unwrap(); // the first run's start
+        tokio::time::timeout(soon, starts.recv()).await.unwrap().unwrap(); // the second's: on its way
+        coalesced.ask();
+        tokio::time::timeout(soon, coalesced.flush()).await.unwrap();
+        assert_eq!(runs(), 3, "the flush returned at the end of a run begun before its last ask");
     }
 
     #[tokio::test]
