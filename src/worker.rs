@@ -132,6 +132,12 @@ impl Coalesced {
     }
 }
 
+/// The longest [`Worker::settle`] waits for the last wakes of a stopping process: a wake takes
+/// a millisecond or so, and one that cannot be sent meanwhile (the database gone, the pool
+/// waiting out its acquire timeout) would only hold up the process's end, for what the
+/// schedulers' poll (500 ms by default) makes up for anyway.
+pub const SETTLE_WITHIN: Duration = Duration::from_secs(1);
+
 /// How a batch wakes the schedulers once a job of a group has ended (its group's next job may
 /// go, and that sends no `NOTIFY` of its own).
 ///
@@ -249,11 +255,16 @@ impl Worker {
     }
 
     /// Waits until the schedulers' wake-ups handed to the worker's task ([`GroupWake::Background`])
-    /// have been sent. A process that stops calls it after its last batch: a wake still waiting
-    /// there was lost with the process, and the group's next job waited for a scheduler's poll.
+    /// have been sent, for [`SETTLE_WITHIN`] at most. A process that stops calls it after its
+    /// last batch: a wake still waiting there was lost with the process, and the group's next
+    /// job waited for a scheduler's poll.
     pub async fn settle(&self) {
-        if let Some(waker) = self.group_waker.get() {
-            waker.flush().await;
+        let Some(waker) = self.group_waker.get() else { return };
+        if tokio::time::timeout(SETTLE_WITHIN, waker.flush()).await.is_err() {
+            tracing::warn!(
+                waited_ms = SETTLE_WITHIN.as_millis() as u64,
+                "the schedulers' last wake for groups was not sent in time; they will poll"
+            );
         }
     }
 
@@ -851,11 +862,14 @@ mod tests {
     /// no server. Not `store::connect_lazy`: that pool waits out its 10 s acquire timeout on a
     /// refused connection, which made this test take 20 s instead of 0.4.
     fn unreachable_worker() -> Worker {
-        let url = "postgres://rowq@127.0.0.1:1/none";
+        worker_of("postgres://rowq@127.0.0.1:1/none", Duration::from_millis(200))
+    }
+
+    /// A worker of the database at `url`, whose pool waits `acquire` for a connection.
+    fn worker_of(url: &str, acquire: Duration) -> Worker {
         let lookup = |name: &str| (name == "DATABASE_URL").then(|| url.to_string());
         let config = WorkerConfig::from(&crate::config::Env::new(&lookup)).unwrap();
-        let pool =
-            sqlx::postgres::PgPoolOptions::new().acquire_timeout(Duration::from_millis(200)).connect_lazy(url).unwrap();
+        let pool = sqlx::postgres::PgPoolOptions::new().acquire_timeout(acquire).connect_lazy(url).unwrap();
         Worker::new(pool, Registry::builtin(), config)
     }
 
@@ -939,6 +953,27 @@ mod tests {
         coalesced.ask();
         tokio::time::timeout(soon, coalesced.flush()).await.unwrap();
         assert_eq!(runs(), 3, "the flush returned at the end of a run begun before its last ask");
+    }
+
+    /// A stopping process waits for its last group wake no longer than [`SETTLE_WITHIN`], even
+    /// when the wake cannot get a connection (here a server that accepts and never answers,
+    /// behind a pool that would wait a minute for it).
+    #[tokio::test]
+    async fn settling_does_not_wait_for_a_wake_the_database_does_not_answer() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = silent.local_addr().unwrap();
+        let _held = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = silent.accept().await {
+                held.push(stream); // open, unanswered
+            }
+        });
+        let worker = worker_of(&format!("postgres://rowq@{address}/none"), Duration::from_secs(60));
+
+        worker.wake_for_groups(GroupWake::Background).await;
+        tokio::time::timeout(SETTLE_WITHIN * 10, worker.settle())
+            .await
+            .expect("settling waited for a wake the database will not answer");
     }
 
     #[tokio::test]
