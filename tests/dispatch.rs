@@ -1786,10 +1786,29 @@ async fn a_claim_looking_while_a_head_ends_leaves_the_job_behind_the_head_to_be_
 /// clear a mark left on it with nothing before it. With the claim locking the first earlier
 /// job it could (not the group's first unfinished one), such marks were left behind as heads
 /// ended beside claims (82 of 20,000 in `make bench`'s grouped drain), and this drain stalled.
+/// The scheduler polls a minute apart, so the drain's tail moves on the group wakes alone.
 #[tokio::test]
 async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
+    drain_small_groups(common::database_with(20).await, false).await;
+}
+
+/// The same drain with each batch handled as a process that holds several at once handles it
+/// (`handle_batch_then` with `ran`): the group wakes go to the worker's task, which folds those
+/// asked while one is on its way into one more, against a live database and scheduler. With the
+/// task not asked, a group's next job waited for the scheduler's poll, a minute away, and this
+/// timed out; that no ask is lost in the folding is the worker's unit test
+/// (`asks_during_a_run_are_folded_into_one_run_after_it`).
+#[tokio::test]
+async fn a_drain_of_many_small_groups_through_pollers_moves_on_their_folded_wakes() {
+    drain_small_groups(common::database_with(20).await, true).await;
+}
+
+/// Drains 6,000 jobs in groups of about four through the scheduler (maintenance held off, its
+/// poll a minute apart) and eight pollers of one worker, their batches handed over as a process
+/// holding several does (`background`) or as Lambda does, in `pool`'s database (each test
+/// opens its own: its name is the caller's line); checks every group ran in order.
+async fn drain_small_groups(pool: PgPool, background: bool) {
     const JOBS: i64 = 6000;
-    let pool = common::database_with(20).await;
     sqlx::query(
         "INSERT INTO rowq.jobs (kind, group_key)
          SELECT 'noop', 'g' || abs(hashint4(i::int) % ($1 / 4)) FROM generate_series(1, $1) i",
@@ -1800,23 +1819,31 @@ async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
     .unwrap();
     let mut config = common::scheduler_config(MEMORY_URL);
     config.maintenance_interval = Duration::from_secs(600);
+    config.poll_interval = Duration::from_secs(60);
     let (scheduler, stop, running) = spawn_run(Scheduler::new(pool.clone(), MemoryPublisher::new(), config), false);
     let worker = Arc::new(Worker::new(pool.clone(), Registry::builtin(), common::worker_config()));
     let pollers: Vec<JoinHandle<()>> = (0..8)
-        .map(|_| {
+        .map(|poller| {
             let (scheduler, worker, mut stopped) = (scheduler.clone(), worker.clone(), stop.subscribe());
             tokio::spawn(async move {
                 while !*stopped.borrow_and_update() {
                     let sent = scheduler.publisher().receive(10, Duration::from_millis(50)).await;
-                    if !sent.is_empty() {
-                        let deadline = Instant::now() + Duration::from_secs(30);
-                        worker.handle_batch(common::event(common::records_of(&sent)), deadline).await;
+                    if sent.is_empty() {
+                        continue;
+                    }
+                    let (event, deadline) =
+                        (common::event(common::records_of(&sent)), Instant::now() + Duration::from_secs(30));
+                    if background {
+                        let (ran, _handlers_returned) = tokio::sync::oneshot::channel();
+                        worker.handle_batch_then(event, deadline, poller, Some(ran)).await;
+                    } else {
+                        worker.handle_batch(event, deadline).await;
                     }
                 }
             })
         })
         .collect();
-    common::eventually(Duration::from_secs(30), "every grouped job to succeed without maintenance", || {
+    common::eventually(Duration::from_secs(30), "every grouped job to succeed without maintenance or a poll", || {
         let pool = pool.clone();
         async move { (common::count_in_state(&pool, JobState::Succeeded).await == JOBS).then_some(()) }
     })
