@@ -605,8 +605,8 @@ impl Worker {
     }
 
     /// Records the outcomes not yet recorded in one statement, and logs and counts every outcome;
-    /// wakes the schedulers, as the batch's `wake` says, when a job of a group ended. Returns the message ids
-    /// whose outcome could not be recorded.
+    /// wakes the schedulers, as the batch's `wake` says, when a job of a group ended. Returns the
+    /// message ids whose outcome could not be recorded.
     async fn record_outcomes(&self, batch: &Batch<'_>, executions: Vec<Execution>, tally: &mut Tally) -> Vec<String> {
         let mut failed = Vec::new();
         let mut finished: Vec<&Execution> = Vec::new();
