@@ -1786,7 +1786,8 @@ async fn a_claim_looking_while_a_head_ends_leaves_the_job_behind_the_head_to_be_
 /// clear a mark left on it with nothing before it. With the claim locking the first earlier
 /// job it could (not the group's first unfinished one), such marks were left behind as heads
 /// ended beside claims (82 of 20,000 in `make bench`'s grouped drain), and this drain stalled.
-/// The scheduler polls a minute apart, so the drain's tail moves on the group wakes alone.
+/// The scheduler polls a minute apart, so the drain's tail moves on the group wakes alone (with
+/// the batch's wake left out, this timed out).
 #[tokio::test]
 async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
     drain_small_groups(common::database_with(20).await, false).await;
