@@ -1539,18 +1539,13 @@ async fn the_claimable_wait_leaves_out_jobs_behind_their_group() {
 #[tokio::test]
 async fn the_claimable_wait_looks_no_further_than_its_window() {
     let pool = common::database().await;
-    sqlx::query(
-        "INSERT INTO rowq.jobs (kind, group_key, run_at, state)
+    let insert = "INSERT INTO rowq.jobs (kind, group_key, run_at, state)
          SELECT 'noop', 'long', now() - interval '1 day', 'running'::rowq.job_state
          UNION ALL
          SELECT 'noop', 'long', now() - n * interval '1 second', 'pending' FROM generate_series(1, $1) n
          UNION ALL
-         SELECT 'noop', NULL, now() - interval '1 second', 'pending'",
-    )
-    .bind(admin::CLAIMABLE_WINDOW + 100)
-    .execute(&pool)
-    .await
-    .unwrap();
+         SELECT 'noop', NULL, now() - interval '1 second', 'pending'";
+    common::insert_unmarked(&pool, insert, admin::CLAIMABLE_WINDOW + 100).await;
     let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
     // The window ends at the job due 101 s ago; the claimable one, due 1 s ago, is beyond it.
     let youngest_in_window = 101.0;
@@ -1567,19 +1562,14 @@ async fn the_claimable_wait_looks_no_further_than_its_window() {
 async fn a_groups_backlog_set_aside_does_not_hold_up_the_claimable_wait() {
     let pool = common::database().await;
     let backlog = admin::CLAIMABLE_WINDOW + 100;
-    sqlx::query(
-        "INSERT INTO rowq.jobs (kind, group_key, run_at, state)
+    let insert = "INSERT INTO rowq.jobs (kind, group_key, run_at, state)
          SELECT 'noop', 'import', now() - interval '1 day', 'running'::rowq.job_state
          UNION ALL
          SELECT 'noop', 'import', now() - interval '2 hours' + n * interval '10 ms', 'pending'
          FROM generate_series(1, $1) n
          UNION ALL
-         SELECT 'noop', NULL, now() - interval '1 minute', 'pending'",
-    )
-    .bind(backlog)
-    .execute(&pool)
-    .await
-    .unwrap();
+         SELECT 'noop', NULL, now() - interval '1 minute', 'pending'";
+    common::insert_unmarked(&pool, insert, backlog).await;
     let minutes = |secs: f64| (secs / 60.0).round();
     let before = admin::queue_gauges(&pool, "default").await.unwrap();
     assert_eq!(minutes(before.oldest_claimable_secs), 118.0, "none set aside yet: the window's youngest {before:?}");
@@ -1618,16 +1608,16 @@ async fn the_due_count_of_the_gauges_stops_at_its_cap() {
     assert_eq!(gauges.due_pending, admin::GAUGE_COUNT_CAP);
 }
 
-/// `n` jobs of `group`, enqueued in one statement.
+/// `n` jobs of `group`, each enqueued in a transaction of its own, as producers enqueue a
+/// group's jobs over time: the claims set them aside, not the insert (which sets aside only
+/// the jobs behind one its own transaction inserted: DESIGN 36, "At insert").
 async fn enqueue_group(pool: &PgPool, group: &str, n: i64) -> Vec<JobId> {
-    sqlx::query_scalar(
-        "INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', $1 FROM generate_series(1, $2) RETURNING id",
-    )
-    .bind(group)
-    .bind(n)
-    .fetch_all(pool)
-    .await
-    .unwrap()
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let insert = sqlx::query_scalar("INSERT INTO rowq.jobs (kind, group_key) VALUES ('noop', $1) RETURNING id");
+        ids.push(insert.bind(group).fetch_one(pool).await.unwrap());
+    }
+    ids
 }
 
 /// How many jobs are set aside behind their group.
@@ -1781,13 +1771,81 @@ async fn a_claim_looking_while_a_head_ends_leaves_the_job_behind_the_head_to_be_
     assert_eq!(claim_due_within_ids(&pool, lease).await.0, vec![last]);
 }
 
+/// The jobs of a group imported by one transaction are set aside by the insert itself, all but
+/// the first (here over two statements), so that no claim has to set them aside: the claims take
+/// them one at a time in id order, each released as the one before it ends. A row an `ON CONFLICT
+/// DO NOTHING` left out is no earlier job: the row after it is not set aside behind it.
+#[tokio::test]
+async fn a_groups_jobs_imported_by_one_transaction_are_set_aside_by_the_insert() {
+    let pool = common::database().await;
+    let lease = Duration::from_secs(60);
+    let mut import = pool.begin().await.unwrap();
+    let insert =
+        "INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', 'tenant-10' FROM generate_series(1, $1) RETURNING id";
+    let mut group: Vec<JobId> = sqlx::query_scalar(insert).bind(3_i64).fetch_all(&mut *import).await.unwrap();
+    group.extend(sqlx::query_scalar::<_, JobId>(insert).bind(1_i64).fetch_all(&mut *import).await.unwrap());
+    import.commit().await.unwrap();
+    let marks: Vec<bool> = sqlx::query_scalar("SELECT behind_group FROM rowq.jobs WHERE id = ANY($1) ORDER BY id")
+        .bind(&group)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(marks, [false, true, true, true], "set aside at insert: every job behind the import's first");
+    for &job in &group {
+        assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![job], 0), "no claim had to set any aside");
+        succeed(&pool, job).await;
+    }
+
+    let holder = enqueue_with(&pool, NewJob { dedup_key: Some("k".into()), ..NewJob::new("noop", json!({})) }).await;
+    let after_left_out: JobId = sqlx::query_scalar(
+        "INSERT INTO rowq.jobs (kind, group_key, dedup_key) VALUES ('noop', 'tenant-11', 'k'), ('noop', 'tenant-11', NULL)
+         ON CONFLICT DO NOTHING RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(set_aside_count(&pool).await, 0, "set aside behind a row that was not inserted");
+    let claimed = claim_due_within_ids(&pool, lease).await.0;
+    assert_eq!(claimed, vec![holder, after_left_out]);
+}
+
+/// The insert sets a job aside only behind an earlier job its own transaction inserted. Behind
+/// another transaction's unfinished job it may not: that job can end while the insert is
+/// uncommitted, and the statement that ends it cannot see the new row to clear its mark. Here
+/// the head ends between the insert and its commit; the job must still be claimed (it was left
+/// set aside with nothing before it when the insert marked it behind any unfinished job).
+#[tokio::test]
+async fn a_job_inserted_behind_another_transactions_job_is_left_for_the_claim_to_set_aside() {
+    let pool = common::database().await;
+    let lease = Duration::from_secs(60);
+    let head = enqueue_with(&pool, group_job("tenant-12", 1)).await;
+    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![head], 0));
+
+    let mut inserting = pool.begin().await.unwrap();
+    let next: JobId =
+        sqlx::query_scalar("INSERT INTO rowq.jobs (kind, group_key) VALUES ('noop', 'tenant-12') RETURNING id")
+            .fetch_one(&mut *inserting)
+            .await
+            .unwrap();
+    succeed(&pool, head).await; // its trigger cannot see `next`
+    inserting.commit().await.unwrap();
+
+    assert_eq!(set_aside_count(&pool).await, 0, "set aside behind a job of another transaction");
+    assert_eq!(
+        claim_due_within_ids(&pool, lease).await.0,
+        vec![next],
+        "the job was left set aside with nothing before it"
+    );
+}
+
 /// A drain of many small groups, run by the scheduler and a worker with maintenance held off:
 /// every job runs, each group one at a time in id order, and none waits for maintenance to
 /// clear a mark left on it with nothing before it. With the claim locking the first earlier
 /// job it could (not the group's first unfinished one), such marks were left behind as heads
 /// ended beside claims (82 of 20,000 in `make bench`'s grouped drain), and this drain stalled.
 /// The scheduler polls a minute apart, so the drain's tail moves on the group wakes alone (with
-/// the batch's wake left out, this timed out).
+/// the batch's wake left out, this timed out). The jobs are enqueued as by many transactions, so
+/// that the claims set them aside.
 #[tokio::test]
 async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
     drain_small_groups(common::database_with(20).await, false).await;
@@ -1798,7 +1856,8 @@ async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
 /// asked while one is on its way into one more, against a live database and scheduler. With the
 /// task not asked, a group's next job waited for the scheduler's poll, a minute away, and this
 /// timed out; that no ask is lost in the folding is the worker's unit test
-/// (`asks_during_a_run_are_folded_into_one_run_after_it`).
+/// (`asks_during_a_run_are_folded_into_one_run_after_it`). The jobs are enqueued by one
+/// statement here, which sets aside every job of a group but its first.
 #[tokio::test]
 async fn a_drain_of_many_small_groups_through_pollers_moves_on_their_folded_wakes() {
     drain_small_groups(common::database_with(20).await, true).await;
@@ -1806,18 +1865,18 @@ async fn a_drain_of_many_small_groups_through_pollers_moves_on_their_folded_wake
 
 /// Drains 6,000 jobs in groups of about four through the scheduler (maintenance held off, its
 /// poll a minute apart) and eight pollers of one worker, their batches handed over as a process
-/// holding several does (`background`) or as Lambda does, in `pool`'s database (each test
-/// opens its own: its name is the caller's line); checks every group ran in order.
+/// holding several does (`background`, the jobs enqueued by one statement) or as Lambda does
+/// (the jobs enqueued as by many transactions), in `pool`'s database (each test opens its own:
+/// its name is the caller's line); checks every group ran in order.
 async fn drain_small_groups(pool: PgPool, background: bool) {
     const JOBS: i64 = 6000;
-    sqlx::query(
-        "INSERT INTO rowq.jobs (kind, group_key)
-         SELECT 'noop', 'g' || abs(hashint4(i::int) % ($1 / 4)) FROM generate_series(1, $1) i",
-    )
-    .bind(JOBS)
-    .execute(&pool)
-    .await
-    .unwrap();
+    let insert = "INSERT INTO rowq.jobs (kind, group_key)
+         SELECT 'noop', 'g' || abs(hashint4(i::int) % ($1 / 4)) FROM generate_series(1, $1) i";
+    if background {
+        sqlx::query(insert).bind(JOBS).execute(&pool).await.unwrap();
+    } else {
+        common::insert_unmarked(&pool, insert, JOBS).await;
+    }
     let mut config = common::scheduler_config(MEMORY_URL);
     config.maintenance_interval = Duration::from_secs(600);
     config.poll_interval = Duration::from_secs(60);

@@ -348,7 +348,7 @@ async fn the_embedded_migrations_are_the_files_of_the_migrations_directory() {
             .map(|m| (m.version, m.description.to_string(), m.migration_type, m.checksum.to_vec(), m.no_tx))
             .collect()
     };
-    assert_eq!(read.iter().count(), 10, "the directory has the migrations the list is checked against");
+    assert_eq!(read.iter().count(), 11, "the directory has the migrations the list is checked against");
     assert_eq!(summary(&store::MIGRATOR), summary(&read));
 }
 

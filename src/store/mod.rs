@@ -76,6 +76,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (20261207000008, "group statistics", include_str!("../../migrations/20261207000008_group_statistics.sql")),
     (20261207000009, "claimable index", include_str!("../../migrations/20261207000009_claimable_index.sql")),
     (20261207000010, "behind group index", include_str!("../../migrations/20261207000010_behind_group_index.sql")),
+    (20261207000011, "set aside at insert", include_str!("../../migrations/20261207000011_set_aside_at_insert.sql")),
 ];
 
 /// The channel the insert trigger notifies (one notification per inserting statement).

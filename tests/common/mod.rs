@@ -327,6 +327,20 @@ pub async fn drop_databases_of_gone_runs(prefix: &str) -> Vec<String> {
     dropped
 }
 
+/// Runs `insert`, a statement that inserts jobs (binding `n` as `$1`), as if each of its rows
+/// came from a transaction of its own, as producers enqueue a group's jobs over time: the insert
+/// sets none of them aside (it sets aside only the jobs behind one its own transaction inserted,
+/// DESIGN 36, "At insert"), and the claims must. Its trigger is off for this transaction alone.
+pub async fn insert_unmarked(pool: &PgPool, insert: &'static str, n: i64) {
+    const TRIGGER: &str = "jobs_set_aside_behind_own_earlier_job";
+    let mut tx = pool.begin().await.unwrap();
+    let alter = |how: &str| format!("ALTER TABLE rowq.jobs {how} TRIGGER {TRIGGER}");
+    sqlx::query(sqlx::AssertSqlSafe(alter("DISABLE"))).execute(&mut *tx).await.unwrap();
+    sqlx::query(insert).bind(n).execute(&mut *tx).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(alter("ENABLE"))).execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
 /// A record as SQS delivers it: `message_id`, its message group and `body`.
 pub fn record(message_id: &str, group: &str, body: String) -> SqsMessage {
     let mut record = SqsMessage::default();
