@@ -1771,10 +1771,11 @@ async fn a_claim_looking_while_a_head_ends_leaves_the_job_behind_the_head_to_be_
     assert_eq!(claim_due_within_ids(&pool, lease).await.0, vec![last]);
 }
 
-/// The jobs of a group imported by one transaction are set aside by the insert itself, all but
-/// the first (here over two statements), so that no claim has to set them aside: the claims take
-/// them one at a time in id order, each released as the one before it ends. A row an `ON CONFLICT
-/// DO NOTHING` left out is no earlier job: the row after it is not set aside behind it.
+/// The jobs of a group imported by one transaction are set aside by the insert itself once 16
+/// or more of the group's jobs are before them (here over two statements), so that no claim has
+/// to set those aside; the claims take the group's jobs one at a time in id order, each released
+/// as the one before it ends. A row an `ON CONFLICT DO NOTHING` left out is no earlier job: the
+/// row after it is not set aside behind it.
 #[tokio::test]
 async fn a_groups_jobs_imported_by_one_transaction_are_set_aside_by_the_insert() {
     let pool = common::database().await;
@@ -1782,44 +1783,51 @@ async fn a_groups_jobs_imported_by_one_transaction_are_set_aside_by_the_insert()
     let mut import = pool.begin().await.unwrap();
     let insert =
         "INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', 'tenant-10' FROM generate_series(1, $1) RETURNING id";
-    let mut group: Vec<JobId> = sqlx::query_scalar(insert).bind(3_i64).fetch_all(&mut *import).await.unwrap();
-    group.extend(sqlx::query_scalar::<_, JobId>(insert).bind(1_i64).fetch_all(&mut *import).await.unwrap());
+    let mut group: Vec<JobId> = sqlx::query_scalar(insert).bind(18_i64).fetch_all(&mut *import).await.unwrap();
+    group.extend(sqlx::query_scalar::<_, JobId>(insert).bind(2_i64).fetch_all(&mut *import).await.unwrap());
     import.commit().await.unwrap();
     let marks: Vec<bool> = sqlx::query_scalar("SELECT behind_group FROM rowq.jobs WHERE id = ANY($1) ORDER BY id")
         .bind(&group)
         .fetch_all(&pool)
         .await
         .unwrap();
-    assert_eq!(marks, [false, true, true, true], "set aside at insert: every job behind the import's first");
+    assert_eq!(marks, [[false; 16].as_slice(), &[true; 4]].concat(), "set aside at insert: each behind 16 or more");
     for &job in &group {
-        assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![job], 0), "no claim had to set any aside");
+        assert_eq!(claim_due_within_ids(&pool, lease).await.0, vec![job], "the group's next job, in id order");
         succeed(&pool, job).await;
     }
+    assert_eq!(set_aside_count(&pool).await, 0);
 
     let holder = enqueue_with(&pool, NewJob { dedup_key: Some("k".into()), ..NewJob::new("noop", json!({})) }).await;
     let after_left_out: JobId = sqlx::query_scalar(
-        "INSERT INTO rowq.jobs (kind, group_key, dedup_key) VALUES ('noop', 'tenant-11', 'k'), ('noop', 'tenant-11', NULL)
+        "INSERT INTO rowq.jobs (kind, group_key, dedup_key)
+         SELECT 'noop', 'tenant-11', CASE WHEN n = 16 THEN 'k' END FROM generate_series(1, 18) n
          ON CONFLICT DO NOTHING RETURNING id",
     )
-    .fetch_one(&pool)
+    .fetch_all(&pool)
     .await
+    .unwrap()
+    .into_iter()
+    .max()
     .unwrap();
-    assert_eq!(set_aside_count(&pool).await, 0, "set aside behind a row that was not inserted");
+    let marked: Vec<JobId> =
+        sqlx::query_scalar("SELECT id FROM rowq.jobs WHERE behind_group").fetch_all(&pool).await.unwrap();
+    assert_eq!(marked, vec![after_left_out], "the 18th row, behind 16 inserted; not the 17th, behind 15 and one left out");
     let claimed = claim_due_within_ids(&pool, lease).await.0;
-    assert_eq!(claimed, vec![holder, after_left_out]);
+    assert_eq!(claimed[..1], [holder]);
 }
 
 /// The insert sets a job aside only behind an earlier job its own transaction inserted. Behind
 /// another transaction's unfinished job it may not: that job can end while the insert is
 /// uncommitted, and the statement that ends it cannot see the new row to clear its mark. Here
-/// the head ends between the insert and its commit; the job must still be claimed (it was left
-/// set aside with nothing before it when the insert marked it behind any unfinished job).
+/// the group's 16 jobs end between the insert and its commit; the job must still be claimed (it
+/// was left set aside with nothing before it when the insert marked it behind any unfinished
+/// job).
 #[tokio::test]
 async fn a_job_inserted_behind_another_transactions_job_is_left_for_the_claim_to_set_aside() {
     let pool = common::database().await;
     let lease = Duration::from_secs(60);
-    let head = enqueue_with(&pool, group_job("tenant-12", 1)).await;
-    assert_eq!(claim_due_within_ids(&pool, lease).await, (vec![head], 0));
+    let before = enqueue_group(&pool, "tenant-12", 16).await;
 
     let mut inserting = pool.begin().await.unwrap();
     let next: JobId =
@@ -1827,10 +1835,15 @@ async fn a_job_inserted_behind_another_transactions_job_is_left_for_the_claim_to
             .fetch_one(&mut *inserting)
             .await
             .unwrap();
-    succeed(&pool, head).await; // its trigger cannot see `next`
+    // Their release trigger cannot see `next`.
+    sqlx::query("UPDATE rowq.jobs SET state = 'cancelled', finished_at = now() WHERE id = ANY($1)")
+        .bind(&before)
+        .execute(&pool)
+        .await
+        .unwrap();
     inserting.commit().await.unwrap();
 
-    assert_eq!(set_aside_count(&pool).await, 0, "set aside behind a job of another transaction");
+    assert_eq!(set_aside_count(&pool).await, 0, "set aside behind jobs of another transaction");
     assert_eq!(
         claim_due_within_ids(&pool, lease).await.0,
         vec![next],
