@@ -1812,7 +1812,11 @@ async fn a_groups_jobs_imported_by_one_transaction_are_set_aside_by_the_insert()
     .unwrap();
     let marked: Vec<JobId> =
         sqlx::query_scalar("SELECT id FROM rowq.jobs WHERE behind_group").fetch_all(&pool).await.unwrap();
-    assert_eq!(marked, vec![after_left_out], "the 18th row, behind 16 inserted; not the 17th, behind 15 and one left out");
+    assert_eq!(
+        marked,
+        vec![after_left_out],
+        "the 18th row, behind 16 inserted; not the 17th, behind 15 and one left out"
+    );
     let claimed = claim_due_within_ids(&pool, lease).await.0;
     assert_eq!(claimed[..1], [holder]);
 }
