@@ -11,8 +11,9 @@
 -- job: 7-11 s for 200,000, while the jobs behind them in claim order waited).
 --
 -- Only the nearest earlier unfinished job of the group is looked at (one step back in the
--- group's index), and it counts only if this transaction itself wrote it, not a subtransaction
--- of it. And only a job with 16 or more unfinished jobs of its group before it is set aside
+-- group's index), and it counts only if this transaction itself wrote it (its `xmin`), not a
+-- subtransaction of it: inserted by it, nobody else sees it yet; updated by it, it is locked by
+-- it until it commits, so no other statement can end it before that either. And only a job with 16 or more unfinished jobs of its group before it is set aside
 -- here: a job set aside costs one more write, its release, and a claim sets aside only the jobs
 -- it reads while they wait, which in a group of a few jobs is few of them (a fifth in `make
 -- bench`'s drain of groups of about four, where setting aside every job behind its group's
