@@ -1874,7 +1874,8 @@ async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
 /// task not asked, a group's next job waited for the scheduler's poll, a minute away, and this
 /// timed out; that no ask is lost in the folding is the worker's unit test
 /// (`asks_during_a_run_are_folded_into_one_run_after_it`). The jobs are enqueued by one
-/// statement here, which sets aside every job of a group but its first.
+/// statement here (groups this small are still set aside by the claims: the insert sets aside
+/// only jobs with 16 of their group before them).
 #[tokio::test]
 async fn a_drain_of_many_small_groups_through_pollers_moves_on_their_folded_wakes() {
     drain_small_groups(common::database_with(20).await, true).await;
