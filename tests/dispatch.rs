@@ -1834,6 +1834,11 @@ async fn a_job_inserted_behind_another_transactions_job_is_left_for_the_claim_to
     let before = enqueue_group(&pool, "tenant-12", 16).await;
 
     let mut inserting = pool.begin().await.unwrap();
+    // A job of another group first: the transaction's first grouped job is never looked at.
+    sqlx::query("INSERT INTO rowq.jobs (kind, group_key) VALUES ('noop', 'tenant-13')")
+        .execute(&mut *inserting)
+        .await
+        .unwrap();
     let next: JobId =
         sqlx::query_scalar("INSERT INTO rowq.jobs (kind, group_key) VALUES ('noop', 'tenant-12') RETURNING id")
             .fetch_one(&mut *inserting)
@@ -1849,8 +1854,8 @@ async fn a_job_inserted_behind_another_transactions_job_is_left_for_the_claim_to
 
     assert_eq!(set_aside_count(&pool).await, 0, "set aside behind jobs of another transaction");
     assert_eq!(
-        claim_due_within_ids(&pool, lease).await.0,
-        vec![next],
+        claim_due_within_ids(&pool, lease).await.0[1..],
+        [next],
         "the job was left set aside with nothing before it"
     );
 }
