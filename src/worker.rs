@@ -18,7 +18,6 @@
 //!   ([`crate::metrics::Tally`]): one per kind it ran, and one of the messages it did not run.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -26,7 +25,7 @@ use aws_lambda_events::event::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent
 use lambda_runtime::Diagnostic;
 use rand::Rng;
 use sqlx::PgPool;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 use crate::combine::{self, Combiner};
 use crate::config::WorkerConfig;
@@ -85,9 +84,9 @@ pub struct Worker {
 /// run that starts after it, and a burst of asks costs at most two. The task ends when this is
 /// dropped.
 struct Coalesced {
-    asks: mpsc::Sender<()>,
-    /// How many asks were made.
-    asked: Arc<AtomicU64>,
+    /// How many asks were made: the task wakes on each change, and one change seen stands for
+    /// every ask made before it was seen.
+    asked: watch::Sender<u64>,
     /// How many of them a finished run started after.
     answered: watch::Receiver<u64>,
 }
@@ -99,34 +98,28 @@ impl Coalesced {
         F: Fn() -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
-        // One ask waiting at most: a run not yet begun, which starts after any later ask too.
-        let (asks, mut waiting) = mpsc::channel(1);
-        let asked = Arc::new(AtomicU64::new(0));
+        let (asked, mut asks) = watch::channel(0);
         let (answer, answered) = watch::channel(0);
-        tokio::spawn({
-            let asked = asked.clone();
-            async move {
-                while waiting.recv().await.is_some() {
-                    // Every ask counted so far was made before this run starts.
-                    let covered = asked.load(Ordering::SeqCst);
-                    action().await;
-                    answer.send_replace(covered);
-                }
+        tokio::spawn(async move {
+            // Ends when the sender is dropped. Asks made during a run mark a change, seen by the
+            // next turn: one more run, after them all.
+            while asks.changed().await.is_ok() {
+                let covered = *asks.borrow_and_update();
+                action().await;
+                answer.send_replace(covered);
             }
         });
-        Coalesced { asks, asked, answered }
+        Coalesced { asked, answered }
     }
 
     /// Asks for a run, without waiting for it.
     fn ask(&self) {
-        self.asked.fetch_add(1, Ordering::SeqCst);
-        // Full: a run is waiting to begin, and it will begin after this ask (and count it).
-        let _ = self.asks.try_send(());
+        self.asked.send_modify(|made| *made += 1);
     }
 
     /// Waits until every ask made before this call has been followed by a finished run.
     async fn flush(&self) {
-        let made = self.asked.load(Ordering::SeqCst);
+        let made = *self.asked.borrow();
         // An error: the task is gone (it panicked), and no run will come.
         let _ = self.answered.clone().wait_for(|&covered| covered >= made).await;
     }
@@ -856,6 +849,10 @@ pub async fn run_lambda(worker: Worker) -> Result<(), lambda_runtime::Error> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use tokio::sync::mpsc;
+
     use super::*;
 
     /// A worker whose database does not answer: every fence fails at once, and the test needs
