@@ -959,16 +959,8 @@ async fn group_backlog(settings: &Settings) -> Result<Value, Error> {
     // As if each job came from a transaction of its own (a tenant's jobs enqueued over time):
     // the insert sets aside only the jobs behind one its own transaction inserted (the
     // `imported` half below), so the claims set these aside.
-    let mut tx = pool.begin().await?;
-    sqlx::query("ALTER TABLE rowq.jobs DISABLE TRIGGER jobs_set_aside_behind_own_earlier_job")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', 'tenant' FROM generate_series(0, $1)")
-        .bind(behind)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("ALTER TABLE rowq.jobs ENABLE TRIGGER jobs_set_aside_behind_own_earlier_job").execute(&mut *tx).await?;
-    tx.commit().await?;
+    let tenant = "INSERT INTO rowq.jobs (kind, group_key) SELECT 'noop', 'tenant' FROM generate_series(0, $1)";
+    common::insert_unmarked(&pool, tenant, behind).await?;
     let running = "UPDATE rowq.jobs SET state = 'running', attempts = 1, dispatch_gen = dispatch_gen + 1,
                    started_at = now(), run_deadline = now() + interval '1 hour'
                    WHERE id = (SELECT min(id) FROM rowq.jobs WHERE state = 'pending' AND group_key = 'tenant')";

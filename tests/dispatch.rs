@@ -1545,7 +1545,7 @@ async fn the_claimable_wait_looks_no_further_than_its_window() {
          SELECT 'noop', 'long', now() - n * interval '1 second', 'pending' FROM generate_series(1, $1) n
          UNION ALL
          SELECT 'noop', NULL, now() - interval '1 second', 'pending'";
-    common::insert_unmarked(&pool, insert, admin::CLAIMABLE_WINDOW + 100).await;
+    common::insert_unmarked(&pool, insert, admin::CLAIMABLE_WINDOW + 100).await.unwrap();
     let gauges = admin::queue_gauges(&pool, "default").await.unwrap();
     // The window ends at the job due 101 s ago; the claimable one, due 1 s ago, is beyond it.
     let youngest_in_window = 101.0;
@@ -1569,7 +1569,7 @@ async fn a_groups_backlog_set_aside_does_not_hold_up_the_claimable_wait() {
          FROM generate_series(1, $1) n
          UNION ALL
          SELECT 'noop', NULL, now() - interval '1 minute', 'pending'";
-    common::insert_unmarked(&pool, insert, backlog).await;
+    common::insert_unmarked(&pool, insert, backlog).await.unwrap();
     let minutes = |secs: f64| (secs / 60.0).round();
     let before = admin::queue_gauges(&pool, "default").await.unwrap();
     assert_eq!(minutes(before.oldest_claimable_secs), 118.0, "none set aside yet: the window's youngest {before:?}");
@@ -1866,8 +1866,7 @@ async fn a_job_inserted_behind_another_transactions_job_is_left_for_the_claim_to
 /// job it could (not the group's first unfinished one), such marks were left behind as heads
 /// ended beside claims (82 of 20,000 in `make bench`'s grouped drain), and this drain stalled.
 /// The scheduler polls a minute apart, so the drain's tail moves on the group wakes alone (with
-/// the batch's wake left out, this timed out). The jobs are enqueued as by many transactions, so
-/// that the claims set them aside.
+/// the batch's wake left out, this timed out).
 #[tokio::test]
 async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
     drain_small_groups(common::database_with(20).await, false).await;
@@ -1878,9 +1877,7 @@ async fn a_drain_of_many_small_groups_needs_no_maintenance_to_finish() {
 /// asked while one is on its way into one more, against a live database and scheduler. With the
 /// task not asked, a group's next job waited for the scheduler's poll, a minute away, and this
 /// timed out; that no ask is lost in the folding is the worker's unit test
-/// (`asks_during_a_run_are_folded_into_one_run_after_it`). The jobs are enqueued by one
-/// statement here (groups this small are still set aside by the claims: the insert sets aside
-/// only jobs with 16 of their group before them).
+/// (`asks_during_a_run_are_folded_into_one_run_after_it`).
 #[tokio::test]
 async fn a_drain_of_many_small_groups_through_pollers_moves_on_their_folded_wakes() {
     drain_small_groups(common::database_with(20).await, true).await;
@@ -1888,18 +1885,15 @@ async fn a_drain_of_many_small_groups_through_pollers_moves_on_their_folded_wake
 
 /// Drains 6,000 jobs in groups of about four through the scheduler (maintenance held off, its
 /// poll a minute apart) and eight pollers of one worker, their batches handed over as a process
-/// holding several does (`background`, the jobs enqueued by one statement) or as Lambda does
-/// (the jobs enqueued as by many transactions), in `pool`'s database (each test opens its own:
-/// its name is the caller's line); checks every group ran in order.
+/// holding several does (`background`) or as Lambda does, in `pool`'s database (each test opens
+/// its own: its name is the caller's line); checks every group ran in order. The jobs are
+/// enqueued as by many transactions, so that the claims set them aside (DESIGN 36: the lock that
+/// guards it is what this drain once stalled on).
 async fn drain_small_groups(pool: PgPool, background: bool) {
     const JOBS: i64 = 6000;
     let insert = "INSERT INTO rowq.jobs (kind, group_key)
          SELECT 'noop', 'g' || abs(hashint4(i::int) % ($1 / 4)) FROM generate_series(1, $1) i";
-    if background {
-        sqlx::query(insert).bind(JOBS).execute(&pool).await.unwrap();
-    } else {
-        common::insert_unmarked(&pool, insert, JOBS).await;
-    }
+    common::insert_unmarked(&pool, insert, JOBS).await.unwrap();
     let mut config = common::scheduler_config(MEMORY_URL);
     config.maintenance_interval = Duration::from_secs(600);
     config.poll_interval = Duration::from_secs(60);

@@ -331,14 +331,15 @@ pub async fn drop_databases_of_gone_runs(prefix: &str) -> Vec<String> {
 /// came from a transaction of its own, as producers enqueue a group's jobs over time: the insert
 /// sets none of them aside (it sets aside only the jobs behind one its own transaction inserted,
 /// DESIGN 36, "At insert"), and the claims must. Its trigger is off for this transaction alone.
-pub async fn insert_unmarked(pool: &PgPool, insert: &'static str, n: i64) {
+/// The benchmark's `group-backlog` uses it too.
+pub async fn insert_unmarked(pool: &PgPool, insert: &'static str, n: i64) -> Result<(), sqlx::Error> {
     const TRIGGER: &str = "jobs_set_aside_behind_own_earlier_job";
-    let mut tx = pool.begin().await.unwrap();
+    let mut tx = pool.begin().await?;
     let alter = |how: &str| format!("ALTER TABLE rowq.jobs {how} TRIGGER {TRIGGER}");
-    sqlx::query(sqlx::AssertSqlSafe(alter("DISABLE"))).execute(&mut *tx).await.unwrap();
-    sqlx::query(insert).bind(n).execute(&mut *tx).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(alter("ENABLE"))).execute(&mut *tx).await.unwrap();
-    tx.commit().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(alter("DISABLE"))).execute(&mut *tx).await?;
+    sqlx::query(insert).bind(n).execute(&mut *tx).await?;
+    sqlx::query(sqlx::AssertSqlSafe(alter("ENABLE"))).execute(&mut *tx).await?;
+    tx.commit().await
 }
 
 /// A record as SQS delivers it: `message_id`, its message group and `body`.
