@@ -13,7 +13,8 @@
 //! BENCH_LOCALSTACK_PAIR_S (a LocalStack pair slower than this is not run again:
 //! [`LOCALSTACK_PAIR_BUDGET_S`]), BENCH_FLOOR_STEPS (2: the latency floor takes the protocol's
 //! two steps and is read at both, [`LatencyFloor`]; 1: it takes only the claim, as it did
-//! before round 40).
+//! before round 40), BENCH_GROUP_SIZE (the mean group of `drain-memory-groups`, 4:
+//! [`GROUP_SIZE`]).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -177,6 +178,8 @@ struct Settings {
     rate: f64,
     /// The latency floor's steps: 2, read at both ([`LatencyFloor`]), or 1, the claim alone.
     floor_steps: u8,
+    /// The mean group of `drain-memory-groups` ([`GROUP_SIZE`] unless BENCH_GROUP_SIZE says).
+    group_size: i64,
 }
 
 fn main() {
@@ -200,6 +203,10 @@ async fn run() -> Result<(), Error> {
             Ok("1") => 1,
             Err(_) | Ok("2") => 2,
             Ok(other) => return Err(format!("BENCH_FLOOR_STEPS is 1 or 2, not {other:?}").into()),
+        },
+        group_size: match number("BENCH_GROUP_SIZE", GROUP_SIZE as f64) as i64 {
+            size if size >= 1 => size,
+            _ => return Err("BENCH_GROUP_SIZE is a whole number of jobs, 1 or more".into()),
         },
     };
     eprintln!(
@@ -365,7 +372,7 @@ async fn solo_run(solo: Solo, settings: &Settings) -> Result<Value, Error> {
         Solo::DispatchMemory => dispatch_memory(settings).await,
         Solo::DrainMemory => drain_memory(settings, Shape::NoOp).await,
         Solo::DrainMemoryResults => drain_memory(settings, Shape::Results(RESULT_BYTES)).await,
-        Solo::DrainMemoryGroups => drain_memory(settings, Shape::Groups(GROUP_SIZE)).await,
+        Solo::DrainMemoryGroups => drain_memory(settings, Shape::Groups(settings.group_size)).await,
         Solo::GroupBacklog => group_backlog(settings).await,
         Solo::RawLocalStack => raw_localstack(settings).await,
         Solo::DispatchLocalStack => dispatch_localstack(settings).await,
@@ -409,8 +416,10 @@ async fn drop_queues(client: &aws_sdk_sqs::Client, queues: &rowq::sqs::QueuePair
 /// send too little per statement to show a stall on that: vendor/README.md).
 const RESULT_BYTES: usize = 400;
 
-/// How many jobs a group has on average in `drain-memory-groups`: a customer's or an order's
-/// few jobs in a row, the common use of `group_key`.
+/// How many jobs a group has on average in `drain-memory-groups` by default: a customer's or an
+/// order's few jobs in a row, the common use of `group_key`. BENCH_GROUP_SIZE sets another: the
+/// insert sets a job aside at once behind 16 of its group written by the same transaction
+/// (migration 11), so groups of 16 or more drain by another path.
 const GROUP_SIZE: i64 = 4;
 
 /// The jobs of a drain's backlog.
@@ -1616,7 +1625,7 @@ fn report(results: &[Value]) {
         format!("{:.0} jobs/s", f(&drain_results, "jobs_per_s")),
     );
     line(
-        &format!("drain, in-memory, groups of ~{GROUP_SIZE}; WAL per job"),
+        &format!("drain, in-memory, groups of ~{:.0}; WAL per job", f(&drain_groups, "group_size")),
         format!("{:.0} jobs/s; {:.0} B", f(&drain_groups, "jobs_per_s"), f(&drain_groups, "wal_bytes_per_job")),
     );
     let group = find(Of("group-backlog", None), "claim_after_ms");
