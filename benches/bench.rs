@@ -417,9 +417,8 @@ async fn drop_queues(client: &aws_sdk_sqs::Client, queues: &rowq::sqs::QueuePair
 const RESULT_BYTES: usize = 400;
 
 /// How many jobs a group has on average in `drain-memory-groups` by default: a customer's or an
-/// order's few jobs in a row, the common use of `group_key`. BENCH_GROUP_SIZE sets another: the
-/// insert sets a job aside at once when 16 or more of its group written by the same transaction
-/// are before it (migration 11), so larger groups are set aside partly at insert, not by claims.
+/// order's few jobs in a row, the common use of `group_key`. BENCH_GROUP_SIZE sets another; past
+/// 16, the insert sets some of a group's jobs aside itself (docs/DESIGN.md, 36, "At insert").
 const GROUP_SIZE: i64 = 4;
 
 /// The jobs of a drain's backlog.
